@@ -1,0 +1,374 @@
+"""Every setting of a run: one dataclass per section, a TOML file for defaults, flags to override.
+
+    python -m fsdp_trainer.train --config configs/llama3_8b.toml --train.steps 50 --ac.mode op
+
+`--help` lists every flag with its docstring. `validate()` checks a config against the world it will run in
+before anything is allocated, and every error names the field, the bad value and what would work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
+
+import tyro
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names the field, the value and a fix."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "debug"
+    """Preset: debug, 125m, 1b, 3b, 8b, 70b (Llama 3 shapes). The fields below override single values of it."""
+    dim: Optional[int] = None
+    """Model width (None: the preset's)."""
+    n_layers: Optional[int] = None
+    """Number of transformer blocks (None: the preset's)."""
+    n_heads: Optional[int] = None
+    """Attention query heads (None: the preset's)."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads for grouped-query attention; must divide n_heads (None: the preset's)."""
+    vocab_size: Optional[int] = None
+    """Vocabulary size; must exceed every token id in the data (None: the preset's)."""
+    ffn_hidden_dim: Optional[int] = None
+    """SwiGLU hidden width, exact (None: derived from ffn_dim_multiplier as Llama 3 does)."""
+    ffn_dim_multiplier: Optional[float] = None
+    """Multiplier on the default SwiGLU width 8*dim/3 before rounding (None: the preset's)."""
+    max_seq_len: Optional[int] = None
+    """Longest sequence the RoPE tables cover (None: the preset's)."""
+    rope_theta: Optional[float] = None
+    """RoPE base frequency (None: the preset's)."""
+    tie_embeddings: Optional[bool] = None
+    """Share the token embedding with the output projection (None: the preset's)."""
+
+    def overrides(self) -> dict[str, Any]:
+        """The fields set explicitly, as keyword arguments for `ModelArgs.from_preset`."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "name" and getattr(self, f.name) is not None}
+
+
+@dataclass
+class DataConfig:
+    source: Literal["stdlib", "tokens", "synthetic"] = "stdlib"
+    """stdlib: the Python standard library's source, byte-tokenized and cached (no download);
+    tokens: pre-tokenized shards made by `python -m fsdp_trainer.data prepare`; synthetic: random tokens."""
+    path: Optional[str] = None
+    """Folder of token shards for source=tokens (ignored otherwise)."""
+    seed: int = 0
+    """Seed of the sample order; the order is a pure function of (seed, global sample index)."""
+    cache_dir: str = "~/.cache/fsdp_trainer"
+    """Where the stdlib corpus is tokenized to on first use."""
+    num_workers: int = 1
+    """Data-loader worker processes per rank (0 loads in the training process)."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps to train for."""
+    seq_len: int = 256
+    """Tokens per sample; at most model.max_seq_len."""
+    micro_batch_size: int = 8
+    """Samples per rank per forward/backward."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step. Global batch = micro_batch_size x grad_accum_steps x data-parallel ranks."""
+    seed: int = 0
+    """Seed of weight initialization (identical for any world size) and of dropout-free training RNG."""
+    output_dir: str = "outputs"
+    """Logs, TensorBoard events, the resolved config and checkpoints go here."""
+    log_every: int = 10
+    """Print and record metrics every N steps; the only steps that sync the host with the GPU."""
+    deterministic: bool = False
+    """Deterministic kernels and no autotuning, for chasing numerical differences (slower)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 2e-4
+    """Learning rate at the end of the decay."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms or biases)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 20
+    """Linear warmup from 0 to lr over this many steps."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay from lr to min_lr after warmup, ending at train.steps."""
+    grad_clip: float = 1.0
+    """Clip gradients to this global L2 norm (0 disables clipping; the norm is still logged)."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    """Replica groups (HSDP's outer dimension): parameters are sharded within a group and replicated across groups."""
+    dp_shard: int = -1
+    """Ranks each parameter is sharded over; -1: all ranks not used by dp_replicate."""
+    param_dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"
+    """Dtype of the unsharded parameters used in forward/backward. auto: bfloat16 on GPUs that have it,
+    float16 (with loss scaling) on older GPUs, float32 on CPU. Sharded master weights and optimizer state stay float32."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype gradients are reduce-scattered in."""
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free each block's gathered parameters after forward: default = every block but the last (whose backward
+    starts at once), always, or never (faster, more memory)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory (CPUOffloadPolicy)."""
+    compile: bool = False
+    """torch.compile each block (after activation checkpointing, before sharding). CUDA only."""
+    defer_grad_sync: bool = False
+    """With grad_accum_steps > 1, reduce-scatter gradients only after the last micro-batch: less communication,
+    but every rank then holds unsharded gradients meanwhile."""
+
+
+@dataclass
+class ACConfig:
+    mode: Literal["none", "full", "selective", "op"] = "none"
+    """Activation checkpointing: none; full (every block recomputed); selective (every N-th block);
+    op (per-op: keep matmul and attention outputs, recompute the rest)."""
+    every: int = 2
+    """For mode=selective: checkpoint every N-th block."""
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = True
+    """Write TensorBoard scalars to <output_dir>/tb."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Checkpoint folder (None: <output_dir>/checkpoints)."""
+    interval: int = 100
+    """Save every N steps (0: only at the end and on preemption)."""
+    interval_minutes: float = 0.0
+    """Also save when this many minutes passed since the last save (0: off)."""
+    keep: int = 3
+    """Keep the newest k complete checkpoints; older ones are deleted after a newer one is complete."""
+    async_mode: Literal["none", "async", "async_pinned"] = "async"
+    """none: training waits for the write; async: waits only while the state is copied to host memory;
+    async_pinned: like async, staging into reused pinned buffers (fastest on GPU, holds host memory)."""
+    resume: str = "auto"
+    """auto: continue from the newest complete checkpoint in dir, if any; none: start fresh; or a checkpoint path."""
+    init_from: Optional[str] = None
+    """Start from these weights (a checkpoint path, or hf:<folder> for a Hugging Face Llama) with fresh
+    optimizer and step count, for fine-tuning. Ignored when resuming."""
+
+
+@dataclass
+class MemoryConfig:
+    limit_gib: Optional[float] = None
+    """Cap each process's GPU memory at this many GiB (emulates a smaller card on a larger one)."""
+    ignore_plan: bool = False
+    """Start even when the memory planner predicts the run will not fit."""
+    oom_snapshot: bool = False
+    """Record allocator history and write a memory snapshot (for pytorch.org/memory_viz) on CUDA OOM."""
+
+
+@dataclass
+class DistConfig:
+    init_timeout_s: float = 600.0
+    """Collective timeout until the first step has finished (start-up, compilation, first all-gathers)."""
+    timeout_s: float = 120.0
+    """Collective timeout after the first step: a dead or stuck rank stops the job this quickly."""
+    flight_recorder: bool = True
+    """Keep NCCL's flight recorder on and dump its trace to <output_dir>/flight_recorder on a timeout."""
+
+
+@dataclass
+class Config:
+    """Train a Llama-style model with FSDP2 (one TOML file for defaults, flags to override)."""
+
+    config: Optional[Path] = None
+    """TOML file whose values become the defaults for every flag below."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    ac: ACConfig = field(default_factory=ACConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (tuple, list)):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def from_dict(raw: dict[str, Any], source: str = "config") -> Config:
+    """Build a Config from nested dicts (a parsed TOML file), rejecting unknown keys by name."""
+    return _build(Config, raw, source, prefix="")
+
+
+def _build(cls: type, raw: dict[str, Any], source: str, prefix: str):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}")
+        sub = _section_type(cls, key)
+        if sub is not None:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: '{prefix}{key}' must be a [{prefix}{key}] table")
+            value = _build(sub, value, source, prefix=f"{prefix}{key}.")
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _section_type(cls: type, name: str) -> Optional[type]:
+    default_factory = next(f for f in dataclasses.fields(cls) if f.name == name).default_factory
+    if default_factory is dataclasses.MISSING:
+        return None
+    return default_factory if dataclasses.is_dataclass(default_factory) else None
+
+
+def load_toml(path: str | Path) -> Config:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"--config {path}: not valid TOML ({err})") from None
+    return from_dict(raw, source=str(path))
+
+
+def _config_path(argv: Sequence[str]) -> Optional[str]:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, cls: type = Config,
+               description: Optional[str] = None):
+    """Command line -> config: `--config file.toml` supplies defaults, the other flags override them.
+
+    `cls` may be any dataclass that embeds Config's fields (tools such as the planner add their own flags).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    default = cls()
+    path = _config_path(argv)
+    if path is not None:
+        from_file = load_toml(path)
+        for f in dataclasses.fields(Config):
+            setattr(default, f.name, getattr(from_file, f.name))
+        default.config = Path(path)
+    return tyro.cli(cls, args=argv, default=default, use_underscores=True, description=description)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML, loadable again with --config (fields left at None are omitted)."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        if not isinstance(values, dict):
+            continue
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def mesh_shape(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) for this world size, with dp_shard=-1 resolved."""
+    rep, shard = parallel.dp_replicate, parallel.dp_shard
+    if rep < 1:
+        raise ConfigError(f"parallel.dp_replicate={rep}: must be at least 1")
+    if shard == -1:
+        if world_size % rep:
+            raise ConfigError(f"parallel.dp_replicate={rep} does not divide the {world_size} ranks of this job; "
+                              f"use a divisor of {world_size}")
+        shard = world_size // rep
+    if shard < 1:
+        raise ConfigError(f"parallel.dp_shard={shard}: must be at least 1, or -1 for all remaining ranks")
+    if rep * shard != world_size:
+        raise ConfigError(f"parallel.dp_replicate x parallel.dp_shard = {rep} x {shard} = {rep * shard}, but this "
+                          f"job has {world_size} ranks; set parallel.dp_shard=-1 to use all of them")
+    return rep, shard
+
+
+def resolve_param_dtype(name: str, device_type: str) -> str:
+    """'auto' -> bfloat16 on GPUs that support it, float16 on older GPUs, float32 on CPU."""
+    if name != "auto":
+        return name
+    if device_type != "cuda":
+        return "float32"
+    import torch
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
+
+def validate(cfg: Config, world_size: int, device_type: str) -> None:
+    """Check every setting against the job it will run in; raise ConfigError naming field, value and fix."""
+    from fsdp_trainer.models.llama import model_args_from_config
+
+    try:
+        args = model_args_from_config(cfg.model)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from None
+    mesh_shape(cfg.parallel, world_size)
+    t = cfg.train
+    for name in ("steps", "seq_len", "micro_batch_size", "grad_accum_steps", "log_every"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"train.{name}={getattr(t, name)}: must be at least 1")
+    if t.seq_len > args.max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={args.max_seq_len} of preset "
+                          f"'{cfg.model.name}'; lower train.seq_len or raise model.max_seq_len")
+    o = cfg.optim
+    if o.lr <= 0 or not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optim.lr={o.lr}, optim.min_lr={o.min_lr}: need 0 <= min_lr <= lr and lr > 0")
+    if o.warmup_steps < 0 or o.grad_clip < 0:
+        raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0")
+    if cfg.ac.every < 1:
+        raise ConfigError(f"ac.every={cfg.ac.every}: must be at least 1")
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers={cfg.data.num_workers}: must be >= 0")
+    if cfg.checkpoint.keep < 1 or cfg.checkpoint.interval < 0 or cfg.checkpoint.interval_minutes < 0:
+        raise ConfigError("checkpoint.keep must be >= 1, checkpoint.interval and interval_minutes >= 0")
+    if device_type != "cuda":
+        gpu_only = {"parallel.param_dtype=float16": cfg.parallel.param_dtype == "float16",
+                    "parallel.cpu_offload": cfg.parallel.cpu_offload,
+                    "parallel.compile": cfg.parallel.compile,
+                    "memory.limit_gib": cfg.memory.limit_gib is not None}
+        for name, is_set in gpu_only.items():
+            if is_set:
+                raise ConfigError(f"{name} needs a CUDA GPU, and this job runs on CPU; remove it "
+                                  "(or run on a machine with GPUs)")

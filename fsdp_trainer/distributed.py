@@ -1,0 +1,86 @@
+"""Process group and device mesh set-up, and rank-aware logging.
+
+Works the same under `torchrun` (reads RANK/WORLD_SIZE/LOCAL_RANK) and under a plain `python -m`, where it
+starts a one-rank group on a free local port so that FSDP2 and DCP run unchanged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+logger = logging.getLogger("fsdp_trainer")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs at INFO; other ranks only warnings and errors, each line prefixed with its rank."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[rank{rank}] %(asctime)s %(message)s", "%H:%M:%S"))
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
+
+
+def init(timeout_s: float = 600.0) -> DistInfo:
+    """Start (or join) the default process group: NCCL with one GPU per rank, else gloo on CPU."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    setup_logging(rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"rank {rank}: LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs "
+                               "are visible; start at most that many processes per node (--nproc_per_node)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # device_id binds the communicator to this GPU eagerly, so a broken NCCL set-up fails here, not mid-step.
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=timeout)
+        backend = "gloo"
+    return DistInfo(rank, world_size, local_rank, device, backend)
+
+
+def build_mesh(device_type: str, dp_replicate: int, dp_shard: int) -> DeviceMesh:
+    """A 1-D ("dp_shard",) mesh for FSDP, or 2-D ("dp_replicate", "dp_shard") for HSDP."""
+    if dp_replicate == 1:
+        return init_device_mesh(device_type, (dp_shard,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

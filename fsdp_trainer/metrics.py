@@ -1,0 +1,119 @@
+"""Throughput, MFU and memory figures: one console line on rank 0 and TensorBoard scalars."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from fsdp_trainer.distributed import logger
+
+# Dense bf16 (fp16 for pre-Ampere cards) tensor-core peak, FLOP/s, by the vendors' datasheets.
+# Matched against torch.cuda.get_device_name(); the first substring that matches wins, so specific names
+# come before their families.
+PEAK_FLOPS = [
+    ("GH200", 989e12), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+    ("H800", 989e12), ("H20", 148e12), ("B200", 2250e12), ("B100", 1750e12),
+    ("A100", 312e12), ("A800", 312e12), ("A10G", 70e12), ("A10", 125e12), ("A6000", 155e12), ("A40", 150e12),
+    ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("RTX 6000 Ada", 364e12), ("4090", 165e12),
+    ("3090", 71e12), ("V100", 125e12), ("T4", 65e12),
+]
+
+GiB = 1024 ** 3
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    """Peak FLOP/s of this GPU, or None (CPU, unknown GPU): MFU is then not shown."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS if key in name), None)
+
+
+def environment(device: torch.device, world_size: int, mesh_shape: tuple[int, ...]) -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
+           "world_size": world_size, "mesh": list(mesh_shape), "device": device.type}
+    if device.type == "cuda":
+        env.update(cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())),
+                   gpu=torch.cuda.get_device_name(device),
+                   gpu_memory_gib=round(torch.cuda.get_device_properties(device).total_memory / GiB, 1))
+    return env
+
+
+def memory_gib(device: torch.device) -> dict[str, float]:
+    """Peak active and reserved GPU memory since the last reset (empty on CPU)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"mem_active_gib": stats.get("active_bytes.all.peak", 0) / GiB,
+            "mem_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / GiB}
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class Metrics:
+    """Turns (step, loss, grad norm, lr) on logging steps into rates, prints them and records them."""
+
+    def __init__(self, *, device: torch.device, total_steps: int, tokens_per_step: int, world_size: int,
+                 flops_per_token: int, output_dir: Path, tensorboard: bool, is_main: bool):
+        self.device, self.total_steps, self.world_size = device, total_steps, world_size
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak = peak_flops(device)
+        self.is_main = is_main
+        self.writer = None
+        if is_main and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(output_dir / "tb"))
+        self.start_time = self.window_time = time.perf_counter()
+        self.window_step = 0
+
+    def start(self, step: int) -> None:
+        """Begin timing at `step` (after resume, or after a warm-up the rates should not include)."""
+        self.start_step = self.window_step = step
+        self.start_time = self.window_time = time.perf_counter()
+
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, extra: Optional[dict] = None) -> dict:
+        now = time.perf_counter()
+        steps = step - self.window_step
+        tokens_per_s_gpu = steps * self.tokens_per_step / max(now - self.window_time, 1e-9) / self.world_size
+        self.window_step, self.window_time = step, now
+        row = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s_per_gpu": tokens_per_s_gpu,
+               "tflops_per_gpu": tokens_per_s_gpu * self.flops_per_token / 1e12}
+        if self.peak:
+            row["mfu"] = tokens_per_s_gpu * self.flops_per_token / self.peak
+        row.update(memory_gib(self.device))
+        row.update(extra or {})
+        if self.is_main:
+            elapsed = now - self.start_time
+            done = step - self.start_step
+            eta = elapsed / done * (self.total_steps - step) if done else 0.0
+            parts = [f"step {step}/{self.total_steps}", f"loss {loss:.4f}", f"lr {lr:.2e}",
+                     f"gnorm {grad_norm:.3f}", f"{tokens_per_s_gpu:,.0f} tok/s/gpu",
+                     f"{row['tflops_per_gpu']:.1f} TFLOPs/gpu"]
+            if "mfu" in row:
+                parts.append(f"mfu {100 * row['mfu']:.1f}%")
+            if "mem_active_gib" in row:
+                parts.append(f"mem {row['mem_active_gib']:.1f}/{row['mem_reserved_gib']:.1f} GiB")
+            parts.append(f"elapsed {_duration(elapsed)} eta {_duration(eta)}")
+            logger.info(" | ".join(parts))
+            if self.writer:
+                for key, value in row.items():
+                    self.writer.add_scalar(f"train/{key}", value, step)
+        return row
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+
+
+def write_run_info(output_dir: Path, config_toml: str, env: dict) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.toml").write_text(config_toml)
+    (output_dir / "environment.json").write_text(json.dumps(env, indent=2) + "\n")

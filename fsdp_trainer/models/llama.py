@@ -1,0 +1,217 @@
+"""A Llama-3-style decoder: RMSNorm, RoPE, grouped-query attention through SDPA, SwiGLU.
+
+No parallelism here: sharding, activation checkpointing and compilation are applied from outside
+(`fsdp_trainer.parallelize`). Parameters are initialized by `init_param`, one full tensor at a time, from a
+generator seeded by (seed, parameter name), so the weights are the same however the model is later sharded.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    vocab_size: int = 128256
+    ffn_hidden_dim: Optional[int] = None
+    ffn_dim_multiplier: float = 1.3
+    multiple_of: int = 1024
+    max_seq_len: int = 8192
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim dim/n_heads={self.head_dim} must be even for RoPE")
+        if self.ffn_hidden_dim is None:
+            # Llama's rule: 2/3 of 4*dim, scaled, rounded up to a multiple of `multiple_of`.
+            hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
+            self.ffn_hidden_dim = self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "ModelArgs":
+        if name not in PRESETS:
+            raise ValueError(f"model.name={name!r} is not a preset; choose one of {', '.join(PRESETS)}")
+        fields = {**PRESETS[name], **overrides}
+        return cls(**fields)
+
+    def num_params(self) -> int:
+        """Parameter count, a tied embedding counted once."""
+        d, h, kv = self.dim, self.head_dim, self.n_kv_heads
+        attention = d * (self.n_heads * h) * 2 + d * (kv * h) * 2
+        block = attention + 3 * d * self.ffn_hidden_dim + 2 * d
+        embedding = self.vocab_size * d
+        output = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.n_layers * block + embedding + output + d
+
+    def num_matmul_params(self) -> int:
+        """Weights that take part in a matmul per token: everything but norms and the embedding lookup."""
+        return self.num_params() - self.vocab_size * self.dim * (0 if self.tie_embeddings else 1) \
+            - (2 * self.n_layers + 1) * self.dim
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 per matmul weight, plus causal attention's scores and values
+        (12 * layers * dim * seq_len, the convention MFU figures are usually quoted in)."""
+        return 6 * self.num_matmul_params() + 12 * self.n_layers * self.dim * seq_len
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "debug": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512, ffn_dim_multiplier=1.0,
+                  multiple_of=64, max_seq_len=1024, rope_theta=10000.0),
+    "125m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=32768, ffn_dim_multiplier=1.0,
+                 multiple_of=256, max_seq_len=2048, tie_embeddings=True),
+    "1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+               max_seq_len=8192, tie_embeddings=True),
+    "3b": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
+               max_seq_len=8192, tie_embeddings=True),
+    "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024),
+    "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096),
+}
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """Complex rotations e^{i * pos * theta^(-2k/d)}, shape [max_seq_len, head_dim // 2]."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of x [batch, seq, heads, head_dim] (Meta's interleaved layout) in float32."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    rotated = pairs * rope[: x.shape[1]].unsqueeze(1)
+    return torch.view_as_real(rotated).flatten(3).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: derived from args, so checkpoints stay independent of max_seq_len.
+        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+    # -- initialization ----------------------------------------------------------------------------------
+    def tie_weights(self) -> None:
+        """Re-tie the output projection to the embedding (materializing from meta unties them)."""
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_buffers(self) -> None:
+        self.rope = rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta,
+                               device=self.rope.device)
+
+    @torch.no_grad()
+    def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill the full (unsharded) tensor of parameter `name`.
+
+        Embeddings N(0, 1); projections into the residual stream (wo, w2) with std scaled down by depth so the
+        residual's variance does not grow with n_layers; other linears 0.02; norms 1."""
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+            return
+        if name == "tok_embeddings.weight":
+            std = 1.0 if not self.args.tie_embeddings else 0.02
+        elif name == "output.weight":
+            std = self.args.dim ** -0.5
+        elif name.endswith(("wo.weight", "w2.weight")):
+            std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        else:
+            std = 0.02
+        nn.init.trunc_normal_(tensor, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialize an unsharded model in place (the sharded path is `parallelize.init_weights`)."""
+        self.init_buffers()
+        for name, param in self.named_parameters():
+            self.init_param(name, param, param_generator(seed, name, param.device))
+
+
+def param_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    """A generator for one parameter: a pure function of (seed, name), never of rank or world size."""
+    return torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def build(args: ModelArgs, device: torch.device | str = "meta") -> Transformer:
+    with torch.device(device):
+        return Transformer(args)
+
+
+def model_args_from_config(cfg) -> ModelArgs:
+    """ModelArgs from a `config.ModelConfig`: the preset, then any fields set explicitly."""
+    return ModelArgs.from_preset(cfg.name, **cfg.overrides())

@@ -1,0 +1,55 @@
+"""AdamW, the learning-rate schedule, and gradient clipping by the true global norm."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from fsdp_trainer.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over the (sharded, float32) parameters; no weight decay on norms and other 1-D parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    fused = device.type == "cuda" and all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused, foreach=not fused)
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then decay to min_lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    if cfg.schedule == "linear":
+        return cfg.lr + (cfg.min_lr - cfg.lr) * progress
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+    """A LambdaLR over `lr_at`, so its state (the step count) checkpoints with the rest."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg, total_steps) / cfg.lr)
+
+
+@torch.no_grad()
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip gradients to `max_norm` (0: no clipping) and return the global L2 norm over all shards.
+
+    For sharded (DTensor) gradients each rank's norm covers only its shard; `full_tensor()` all-reduces the
+    partial norms so that clipping and logging use the norm of the whole gradient."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total_norm = get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total_norm, DTensor):
+        total_norm = total_norm.full_tensor()
+    if max_norm > 0:
+        clip_grads_with_norm_(grads, max_norm, total_norm, foreach=True)
+    return total_norm
