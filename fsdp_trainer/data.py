@@ -1,0 +1,522 @@
+"""Training data: token shards, the sample order, and each rank's data loader.
+
+    python -m fsdp_trainer.data prepare books/ chats.jsonl data/shards                 # byte-level tokens
+    python -m fsdp_trainer.data prepare books/ data/shards --tokenizer tokenizer.json  # a Hugging Face tokenizer
+    python -m fsdp_trainer.train --data.source tokens --data.path data/shards
+
+A shard is `<name>.bin` (little-endian uint16, or uint32 for vocabularies over 65536) plus a sidecar `<name>.json`
+{"dtype", "num_tokens", "vocab_size", "tokenizer"}. A folder's shards form one token stream in sorted file order,
+documents separated by an end-of-document token. The built-in byte tokenizer maps byte b to token b and uses 256
+as the separator, so byte data needs model.vocab_size >= 257.
+
+Sample k is the window tokens[k*L : k*L + L + 1] (inputs: the first L, labels: the last L). Global sample index g
+reads sample permutation(seed, g // n)[g % n] for n samples per epoch: the order is a pure function of (seed, g).
+One optimizer step consumes global indices [base, base + G) with G = micro_batch_size x grad_accum_steps x dp_size;
+micro-batch m of data-parallel rank r holds base + m*dp_size*b + r*b + [0, b). Which samples a step sees depends
+only on G, so a run resumed from its consumed-sample count on any number of ranks continues the same sequence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import sysconfig
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterator, NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from fsdp_trainer.config import ConfigError, DataConfig
+
+logger = logging.getLogger("fsdp_trainer")
+
+BYTE_EOS = 256
+"""End-of-document token of the byte tokenizer, whose other tokens are the byte values 0..255."""
+BYTE_VOCAB_SIZE = 257
+DEFAULT_SHARD_TOKENS = 100_000_000
+_PREPARE_HINT = "make shards with `python -m fsdp_trainer.data prepare <inputs...> <output_dir>`"
+_EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+
+
+# ---------------------------------------------------------------------------------------------- shards on disk
+
+def _write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write through a uniquely named temporary file in the same folder, then rename it into place: readers and
+    concurrent writers only ever see complete files. The temp name starts with '.', so no '*.bin' glob sees it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes files private; shards and caches may be shared between users
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_shard(bin_path: Path, tokens: np.ndarray, vocab_size: int, tokenizer: str) -> None:
+    """Write one shard and its sidecar. The sidecar is written last, so its presence marks a complete shard."""
+    dtype = np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+    data = np.ascontiguousarray(tokens, dtype=dtype)
+    _write_atomic(bin_path, data.tofile)
+    meta = {"dtype": dtype.name, "num_tokens": len(data), "vocab_size": vocab_size, "tokenizer": tokenizer}
+    _write_atomic(bin_path.with_suffix(".json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One shard file, as its sidecar describes it."""
+
+    path: Path
+    dtype: np.dtype
+    num_tokens: int
+    vocab_size: int
+    tokenizer: str
+
+
+def _read_sidecar(bin_path: Path, where: str) -> Shard:
+    meta_path = bin_path.with_suffix(".json")
+    fix = f"re-create it ({_PREPARE_HINT})"
+    if not meta_path.is_file():
+        raise ConfigError(f"{where}: shard {bin_path.name} has no sidecar {meta_path.name}; {fix}")
+    try:
+        meta = json.loads(meta_path.read_text())
+        dtype = np.dtype({"uint16": "<u2", "uint32": "<u4"}[meta["dtype"]])
+        num_tokens, vocab_size, tokenizer = meta["num_tokens"], meta["vocab_size"], meta["tokenizer"]
+        valid = (isinstance(num_tokens, int) and num_tokens >= 0 and isinstance(vocab_size, int)
+                 and vocab_size > 0 and isinstance(tokenizer, str))
+    except (ValueError, KeyError, TypeError):  # not JSON, not an object, a key or dtype missing or unknown
+        valid = False
+    if not valid:
+        raise ConfigError(f"{where}: sidecar {meta_path.name} is corrupt (expected {{\"dtype\": \"uint16\"|\"uint32\", "
+                          f"\"num_tokens\": N, \"vocab_size\": V, \"tokenizer\": ...}}); {fix}")
+    size = bin_path.stat().st_size
+    if size != num_tokens * dtype.itemsize:
+        raise ConfigError(f"{where}: shard {bin_path.name} has {size} bytes but its sidecar promises {num_tokens} "
+                          f"{dtype.name} tokens ({num_tokens * dtype.itemsize} bytes), so one of them is truncated "
+                          f"or stale; {fix}")
+    return Shard(bin_path, dtype, num_tokens, vocab_size, tokenizer)
+
+
+class TokenStream:
+    """The tokens of a folder's shards as one sequence, read through memory maps."""
+
+    def __init__(self, shards: list[Shard]):
+        self.shards = shards
+        self.starts = np.cumsum([0] + [s.num_tokens for s in shards])
+        self._maps: Optional[list[np.ndarray]] = None
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getstate__(self) -> dict:
+        # np.memmap pickles as a full in-memory copy of the file, so workers started by spawn must get the stream
+        # unopened. Maps inherited over fork are fine as they are.
+        return {**self.__dict__, "_maps": None}
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the stream, copied out of the maps."""
+        if self._maps is None:
+            # Opened lazily, in the process that reads: with loader workers, the training process never holds the
+            # files' descriptors or mapped pages, which would otherwise add up over many shards and ranks.
+            # An empty file cannot be memory-mapped.
+            self._maps = [np.memmap(s.path, dtype=s.dtype, mode="r", shape=(s.num_tokens,)) if s.num_tokens
+                          else np.empty(0, s.dtype) for s in self.shards]
+        # side="right" picks the last shard starting at or before `start`, which skips empty shards.
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        parts = []
+        while start < stop:
+            lo, hi = start - self.starts[i], min(stop, self.starts[i + 1]) - self.starts[i]
+            parts.append(self._maps[i][lo:hi])
+            start += hi - lo
+            i += 1
+        return np.concatenate(parts)
+
+
+def load_shards(path: str, where: Optional[str] = None) -> TokenStream:
+    """Open the shards in folder `path`; `where` names the setting that chose it, for error messages."""
+    where = where or f"data.path={path}"
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        problem = "is a file" if root.exists() else "does not exist"
+        raise ConfigError(f"{where}: {root} {problem}; expected a folder of token shards ({_PREPARE_HINT})")
+    bins = sorted(root.glob("*.bin"))
+    if not bins:
+        raise ConfigError(f"{where}: no token shards (<name>.bin + <name>.json) in {root}; {_PREPARE_HINT}")
+    return TokenStream([_read_sidecar(b, where) for b in bins])
+
+
+def _check_stream(stream: TokenStream, where: str, seq_len: int, vocab_size: int) -> None:
+    tokenizers = sorted({s.tokenizer for s in stream.shards})
+    if len(tokenizers) > 1:
+        raise ConfigError(f"{where}: shards come from different tokenizers ({', '.join(tokenizers)}); "
+                          "keep one tokenizer per folder")
+    if len(stream) == 0:
+        raise ConfigError(f"{where}: the shards hold no tokens; {_PREPARE_HINT} from non-empty inputs")
+    if len(stream) < seq_len + 1:
+        shorter = f"lower --train.seq_len to at most {len(stream) - 1} or " if len(stream) > 1 else ""
+        raise ConfigError(f"{where}: holds {len(stream)} tokens, but train.seq_len={seq_len} needs at least "
+                          f"{seq_len + 1} for one sample; {shorter}add data")
+    data_vocab = max(s.vocab_size for s in stream.shards)
+    if data_vocab > vocab_size:
+        raise ConfigError(f"{where}: tokenized with vocab_size {data_vocab} ({tokenizers[0]} tokenizer), so token "
+                          f"ids reach {data_vocab - 1}, but model.vocab_size={vocab_size}; set "
+                          f"--model.vocab_size {data_vocab} or larger")
+
+
+# ------------------------------------------------------------------------------------------------ the samples
+
+def _derive_seed(*parts: object) -> int:
+    """A 64-bit seed that is a fixed function of `parts`, stable across processes and Python runs."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
+
+
+class SampleOrder:
+    """Global sample index -> sample index: epoch g // n visits all n samples in permutation(seed, epoch)."""
+
+    def __init__(self, num_samples: int, seed: int):
+        self.num_samples, self.seed = num_samples, seed
+        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.int64)
+
+    def __call__(self, g: int) -> int:
+        epoch, position = divmod(g, self.num_samples)
+        if epoch != self._epoch:
+            # Only the current epoch's permutation is kept: each process reads ascending indices, so it changes
+            # epochs rarely, while holding every permutation seen would grow without bound.
+            generator = torch.Generator().manual_seed(_derive_seed("order", self.seed, epoch))
+            self._epoch, self._perm = epoch, torch.randperm(self.num_samples, generator=generator)
+        return int(self._perm[position])
+
+
+class TokenWindows(Dataset):
+    """Global sample index -> (inputs, labels), int64 [seq_len] each, from non-overlapping windows of a stream."""
+
+    def __init__(self, stream: TokenStream, seq_len: int, seed: int, where: str = ""):
+        self.stream, self.seq_len, self.where = stream, seq_len, where
+        self.num_samples = (len(stream) - 1) // seq_len
+        self.order = SampleOrder(self.num_samples, seed)
+
+    def window(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample k itself: tokens[k*seq_len : k*seq_len + seq_len + 1], split into inputs and labels."""
+        start = k * self.seq_len
+        tokens = torch.from_numpy(self.stream.read(start, start + self.seq_len + 1).astype(np.int64))
+        return tokens[:-1], tokens[1:]
+
+    def __getitem__(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.window(self.order(g))
+
+    def __repr__(self) -> str:
+        tokenizer = self.stream.shards[0].tokenizer
+        return (f"{self.where}: {len(self.stream.shards)} shard(s), {len(self.stream):,} tokens ({tokenizer}), "
+                f"{self.num_samples:,} samples of {self.seq_len} per epoch")
+
+
+class SyntheticTokens(Dataset):
+    """Global sample index g -> uniformly random tokens that are a pure function of (seed, g), for any g >= 0.
+
+    There are no epochs: the samples are independent already, so no permutation is applied.
+    """
+
+    def __init__(self, seq_len: int, vocab_size: int, seed: int):
+        self.seq_len, self.vocab_size, self.seed = seq_len, vocab_size, seed
+
+    def __getitem__(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(_derive_seed("synthetic", self.seed, g))
+        tokens = torch.randint(self.vocab_size, (self.seq_len + 1,), generator=generator)
+        return tokens[:-1], tokens[1:]
+
+    def __repr__(self) -> str:
+        return f"data.source=synthetic: random tokens below {self.vocab_size}, samples of {self.seq_len}"
+
+
+# ---------------------------------------------------------------------------------------- the stdlib corpus
+
+def _stdlib_files(root: Path) -> list[Path]:
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        # Third-party packages differ between machines and would swamp the standard library's own code.
+        subfolders[:] = [d for d in subfolders if d not in ("site-packages", "dist-packages", "__pycache__")]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
+    return sorted(files)
+
+
+def stdlib_shards(cache_dir: str, root: Optional[str] = None) -> Path:
+    """The folder holding the byte-tokenized standard library (its .py files, one document each).
+
+    Written on first use into cache_dir under a name that hashes the Python version and the file list (names and
+    sizes), reused afterwards. Ranks that race to write it each write complete files under unique temporary names
+    and rename them into place, so no barrier is needed and every rank reads the same tokens.
+    """
+    root_dir = Path(root or sysconfig.get_paths()["stdlib"])
+    files = _stdlib_files(root_dir) if root_dir.is_dir() else []
+    if not files:
+        raise ConfigError(f"data.source=stdlib: this Python has no standard library sources in {root_dir} "
+                          "(a stripped or embedded install?); use --data.source tokens or synthetic")
+    listing = "\n".join(f"{p.relative_to(root_dir)} {p.stat().st_size}" for p in files)
+    key = hashlib.sha256(f"{sys.version}\n{listing}".encode()).hexdigest()[:16]
+    out = Path(cache_dir).expanduser() / f"stdlib-{key}"
+    if (out / "shard_00000.json").is_file():
+        return out
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        logger.info(f"tokenizing {len(files)} standard library files into {out} (once)")
+        writer = _ShardWriter(out, BYTE_VOCAB_SIZE, "bytes", BYTE_EOS, shard_tokens=2**62, log=logger.info)
+        for p in files:
+            writer.add(np.frombuffer(p.read_bytes(), np.uint8))
+        writer.close()
+    except OSError as err:
+        raise ConfigError(f"data.cache_dir={cache_dir}: cannot write the stdlib corpus there ({err}); "
+                          "set --data.cache_dir to a writable folder") from None
+    return out
+
+
+# ---------------------------------------------------------------------------------------- sampler and loader
+
+def samples_per_step(micro_batch_size: int, grad_accum_steps: int, dp_size: int) -> int:
+    """The global batch G: samples one optimizer step consumes across all data-parallel ranks."""
+    return micro_batch_size * grad_accum_steps * dp_size
+
+
+class StepSampler(Sampler[list[int]]):
+    """This rank's micro-batches of global sample indices, step after step, without end.
+
+    A step covers global indices [base, base + G); micro-batch m of rank r is base + m*dp_size*b + r*b + [0, b).
+    state_dict() is {"consumed_samples": base of the first step not yet fully handed out}: the same on every rank
+    and valid for any dp_size or batch size. A loader with workers draws from its sampler ahead of training, so the
+    trainer counts consumed samples itself and passes them to build_dataloader(start_sample=...).
+    """
+
+    def __init__(self, micro_batch_size: int, grad_accum_steps: int, dp_rank: int, dp_size: int,
+                 start_sample: int = 0):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        self.micro_batch_size, self.grad_accum_steps = micro_batch_size, grad_accum_steps
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.consumed_samples = start_sample
+
+    def __iter__(self) -> Iterator[list[int]]:
+        b, dp, accum = self.micro_batch_size, self.dp_size, self.grad_accum_steps
+        while True:
+            base = self.consumed_samples
+            for m in range(accum):
+                if m == accum - 1:
+                    # Counted once the step's last micro-batch is handed out, so a state taken between steps
+                    # already points at the next step.
+                    self.consumed_samples = base + samples_per_step(b, accum, dp)
+                first = base + (m * dp + self.dp_rank) * b
+                yield list(range(first, first + b))
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+def build_dataset(cfg: DataConfig, seq_len: int, vocab_size: int) -> Dataset:
+    """The source chosen by cfg, indexed by global sample index; raises ConfigError if it cannot feed the model."""
+    if cfg.source == "synthetic":
+        return SyntheticTokens(seq_len, vocab_size, cfg.seed)
+    if cfg.source == "stdlib":
+        path = str(stdlib_shards(cfg.cache_dir))
+        where = f"data.source=stdlib (cached in {path})"
+    elif cfg.source == "tokens":
+        if cfg.path is None:
+            raise ConfigError(f"data.path is not set, but data.source=tokens reads token shards from it: pass "
+                              f"--data.path <folder> ({_PREPARE_HINT}), or use --data.source stdlib or synthetic")
+        path, where = cfg.path, f"data.path={cfg.path}"
+    else:
+        raise ConfigError(f"data.source={cfg.source!r}: expected stdlib, tokens or synthetic")
+    stream = load_shards(path, where)
+    _check_stream(stream, where, seq_len, vocab_size)
+    return TokenWindows(stream, seq_len, cfg.seed, where)
+
+
+def check_source(cfg: DataConfig, seq_len: int, vocab_size: int) -> str:
+    """Check that the data can feed a model of vocab_size with seq_len samples (ConfigError if not, naming the
+    field and a fix); returns a one-line description for the log. Tokenizes the stdlib corpus if not cached."""
+    return repr(build_dataset(cfg, seq_len, vocab_size))
+
+
+def build_dataloader(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, grad_accum_steps: int, dp_rank: int,
+                     dp_size: int, vocab_size: int, start_sample: int = 0,
+                     device_type: str = "cpu") -> StatefulDataLoader:
+    """An endless loader of this rank's (inputs, labels) micro-batches, int64 [micro_batch_size, seq_len] each,
+    starting at global sample index start_sample (the trainer's consumed-sample count when resuming)."""
+    dataset = build_dataset(cfg, seq_len, vocab_size)
+    sampler = StepSampler(micro_batch_size, grad_accum_steps, dp_rank, dp_size, start_sample)
+    with warnings.catch_warnings():
+        # torchdata 0.11 calls torch.set_vital, deprecated in newer torch; the warning says nothing about our run.
+        warnings.filterwarnings("ignore", message=".*set_vital.*")
+        return StatefulDataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=cfg.num_workers,
+            pin_memory=device_type == "cuda",
+            persistent_workers=cfg.num_workers > 0,
+            # The trainer resumes from its own consumed-sample count and never reads the loader's snapshots;
+            # taking one every step (the default) costs a round trip to every worker per batch.
+            snapshot_every_n_steps=2**31,
+        )
+
+
+# ------------------------------------------------------------------------------------------- prepare (the CLI)
+
+class _Encoder(NamedTuple):
+    name: str
+    vocab_size: int
+    eos: int
+    encode: Callable[[bytes], np.ndarray]
+
+
+def _byte_encoder() -> _Encoder:
+    return _Encoder("bytes", BYTE_VOCAB_SIZE, BYTE_EOS, lambda doc: np.frombuffer(doc, np.uint8))
+
+
+def _hf_encoder(path: str) -> _Encoder:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError("--tokenizer needs the optional `tokenizers` package: pip install tokenizers") from None
+    if not Path(path).is_file():
+        raise ValueError(f"--tokenizer {path}: no such file (expected a Hugging Face tokenizer.json)")
+    tokenizer = Tokenizer.from_file(path)
+    eos = next((tokenizer.token_to_id(t) for t in _EOS_NAMES if tokenizer.token_to_id(t) is not None), None)
+    if eos is None:
+        raise ValueError(f"--tokenizer {path}: has none of the end-of-document tokens {', '.join(_EOS_NAMES)}")
+
+    def encode(doc: bytes) -> np.ndarray:
+        ids = tokenizer.encode(doc.decode("utf-8", errors="replace"), add_special_tokens=False).ids
+        return np.array(ids, dtype=np.uint32)
+
+    return _Encoder(str(Path(path).resolve()), tokenizer.get_vocab_size(with_added_tokens=True), eos, encode)
+
+
+class _ShardWriter:
+    """Joins documents with the end-of-document token and cuts the stream into shards of shard_tokens tokens."""
+
+    def __init__(self, out_dir: Path, vocab_size: int, tokenizer: str, eos: int, shard_tokens: int,
+                 log: Callable[[str], None]):
+        self.out_dir, self.vocab_size, self.tokenizer, self.shard_tokens, self.log = (
+            out_dir, vocab_size, tokenizer, shard_tokens, log)
+        self.separator = np.array([eos], dtype=np.uint32 if eos >= 2**16 else np.uint16)
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = 0
+        self.written: list[tuple[Path, int]] = []
+
+    def add(self, doc: np.ndarray) -> None:
+        if self.pending or self.written:
+            self.pending.append(self.separator)
+            self.pending_tokens += 1
+        self.pending.append(doc)
+        self.pending_tokens += len(doc)
+        if self.pending_tokens >= self.shard_tokens:
+            self._flush(final=False)
+
+    def _flush(self, final: bool) -> None:
+        stream = np.concatenate(self.pending) if self.pending else np.empty(0, np.uint16)
+        cut = 0
+        while len(stream) - cut >= self.shard_tokens or (final and cut < len(stream)):
+            chunk = stream[cut:cut + self.shard_tokens]
+            path = self.out_dir / f"shard_{len(self.written):05d}.bin"
+            write_shard(path, chunk, self.vocab_size, self.tokenizer)
+            self.log(f"wrote {path} ({len(chunk):,} tokens)")
+            self.written.append((path, len(chunk)))
+            cut += len(chunk)
+        self.pending = [stream[cut:]] if cut < len(stream) else []
+        self.pending_tokens = len(stream) - cut
+
+    def close(self) -> list[tuple[Path, int]]:
+        """Write what is left; returns every shard written, with its token count."""
+        self._flush(final=True)
+        return self.written
+
+
+def _input_files(inputs: Sequence[str]) -> list[Path]:
+    files = []
+    for arg in inputs:
+        path = Path(arg)
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
+        elif path.suffix in (".txt", ".jsonl") and path.is_file():
+            files.append(path)
+        elif path.exists():
+            raise ValueError(f"{path}: expected a .txt file (one document), a .jsonl file (a \"text\" field per "
+                             "line) or a folder of them")
+        else:
+            raise ValueError(f"{path}: no such file or folder")
+    if not files:
+        raise ValueError(f"no .txt or .jsonl files in {', '.join(inputs)}")
+    return files
+
+
+def _documents(path: Path) -> Iterator[bytes]:
+    if path.suffix == ".txt":
+        yield path.read_bytes()
+        return
+    with path.open(encoding="utf-8") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)["text"].encode("utf-8")
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise ValueError(f"{path}:{line_number}: expected a JSON object with a string \"text\" field") from None
+
+
+def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = None,
+            shard_tokens: int = DEFAULT_SHARD_TOKENS, log: Callable[[str], None] = print) -> list[tuple[Path, int]]:
+    """Tokenize .txt files (one document each) and .jsonl files (a "text" field per line), or folders of them, into
+    shards in output_dir; returns each shard written with its token count. Raises ValueError on bad inputs."""
+    if shard_tokens < 1:
+        raise ValueError(f"--shard-tokens {shard_tokens}: must be at least 1")
+    files = _input_files(inputs)
+    encoder = _byte_encoder() if tokenizer is None else _hf_encoder(tokenizer)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.glob("*.bin")) or any(out.glob("*.json")):
+        raise ValueError(f"{out} already holds shards, which a reader would mix with the new ones; "
+                         "prepare into an empty folder")
+    writer = _ShardWriter(out, encoder.vocab_size, encoder.name, encoder.eos, shard_tokens, log)
+    for path in files:
+        for doc in _documents(path):
+            writer.add(encoder.encode(doc))
+    written = writer.close()
+    if not written:
+        raise ValueError(f"no text in {', '.join(inputs)}: every document is empty")
+    return written
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fsdp_trainer.data", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("prepare", help="tokenize .txt and .jsonl files into token shards")
+    p.add_argument("inputs", nargs="+", help=".txt files (one document each), .jsonl files (a \"text\" field "
+                                             "per line), or folders of them (searched recursively, sorted)")
+    p.add_argument("output_dir", help="folder for the shards (created; must hold no shards yet)")
+    p.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (needs `pip install tokenizers`); "
+                                       "default: bytes, token 256 separating documents")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
+    args = parser.parse_args(argv)
+    try:
+        written = prepare(args.inputs, args.output_dir, args.tokenizer, args.shard_tokens)
+    except ValueError as err:
+        parser.exit(2, f"error: {err}\n")
+    meta = json.loads(written[0][0].with_suffix(".json").read_text())
+    print(f"{len(written)} shard(s), {sum(n for _, n in written):,} tokens in {args.output_dir}; "
+          f"vocab_size {meta['vocab_size']} ({meta['tokenizer']}): use --data.source tokens "
+          f"--data.path {args.output_dir} --model.vocab_size {meta['vocab_size']} or larger")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""Data: shards, prepare, sample content and order, world-size independent steps, resume, errors (CPU, seconds)."""
+
+import importlib.util
+import json
+import multiprocessing
+import pickle
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fsdp_trainer.config import ConfigError, DataConfig
+from fsdp_trainer.data import (BYTE_EOS, SampleOrder, StepSampler, SyntheticTokens, build_dataloader, build_dataset,
+                               check_source, load_shards, main, prepare, samples_per_step, stdlib_shards, write_shard)
+
+SEQ_LEN = 8
+NUM_SAMPLES = 40
+VOCAB = 1000
+
+
+def write_arange_shards(folder: Path, num_tokens: int, sizes=(100, 0, 150), vocab_size: int = VOCAB) -> None:
+    """Tokens 0, 1, 2, ... split over shards of the given sizes (the rest in a last one): window k starts with
+    token k*SEQ_LEN, so a sample names itself."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = np.arange(num_tokens)
+    cuts = np.cumsum(sizes)
+    for i, part in enumerate(np.split(tokens, cuts)):
+        write_shard(folder / f"part_{i:02d}.bin", part, vocab_size, "bytes")
+
+
+@pytest.fixture
+def shards(tmp_path) -> Path:
+    write_arange_shards(tmp_path / "shards", NUM_SAMPLES * SEQ_LEN + 1)
+    return tmp_path / "shards"
+
+
+def tokens_cfg(path, **kwargs) -> DataConfig:
+    return DataConfig(**{"source": "tokens", "path": str(path), "num_workers": 0, **kwargs})
+
+
+def run_steps(cfg, *, b, accum, dp, steps, start_sample=0, seq_len=SEQ_LEN):
+    """Per step, the window ids of all ranks together in global-index order (micro-batch, then rank, then j)."""
+    loaders = [iter(build_dataloader(cfg, seq_len=seq_len, micro_batch_size=b, grad_accum_steps=accum, dp_rank=r,
+                                     dp_size=dp, vocab_size=VOCAB, start_sample=start_sample)) for r in range(dp)]
+    result = []
+    for _ in range(steps):
+        ids = []
+        for _ in range(accum):
+            for it in loaders:
+                inputs, labels = next(it)
+                assert inputs.shape == labels.shape == (b, seq_len) and inputs.dtype == torch.int64
+                ids += (inputs[:, 0] // seq_len).tolist()
+        result.append(ids)
+    return result
+
+
+# ------------------------------------------------------------------------------------------------------ prepare
+
+def test_prepare_round_trip(tmp_path, capsys):
+    inputs = tmp_path / "in"
+    (inputs / "sub").mkdir(parents=True)
+    (inputs / "a.txt").write_text("héllo\nworld", encoding="utf-8")
+    lines = [json.dumps({"text": "ünï"}), "", json.dumps({"text": "two", "id": 2})]
+    (inputs / "c.jsonl").write_text("\n".join(lines) + "\n")
+    (inputs / "sub" / "b.txt").write_text("")
+    (inputs / "skip.md").write_text("not an input")
+    extra = tmp_path / "z.txt"
+    extra.write_text("last!")
+    main(["prepare", str(inputs), str(extra), str(tmp_path / "out"), "--shard-tokens", "7"])
+
+    docs = ["héllo\nworld", "ünï", "two", "", "last!"]  # folder files sorted (a, c, sub/b), then the explicit file
+    expected = []
+    for i, doc in enumerate(docs):
+        expected += ([BYTE_EOS] if i else []) + list(doc.encode("utf-8"))
+    stream = load_shards(str(tmp_path / "out"))
+    assert stream.read(0, len(stream)).tolist() == expected
+    assert len(expected) == 29 and [s.num_tokens for s in stream.shards] == [7, 7, 7, 7, 1]
+    meta = json.loads((tmp_path / "out" / "shard_00000.json").read_text())
+    assert meta == {"dtype": "uint16", "num_tokens": 7, "vocab_size": 257, "tokenizer": "bytes"}
+    assert not list((tmp_path / "out").glob(".*"))  # every temporary file was renamed into place
+    assert f"{len(expected):,} tokens" in capsys.readouterr().out
+
+
+def test_prepare_refuses_bad_inputs(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"title": "no text"}\n')
+    (tmp_path / "a.csv").write_text("x")
+    (tmp_path / "ok.txt").write_text("x")
+    with pytest.raises(ValueError, match="no such file"):
+        prepare([str(tmp_path / "missing.txt")], str(tmp_path / "o1"))
+    with pytest.raises(ValueError, match=".txt file"):
+        prepare([str(tmp_path / "a.csv")], str(tmp_path / "o2"))
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "o3"))
+    prepare([str(tmp_path / "ok.txt")], str(tmp_path / "o4"), log=lambda _: None)
+    with pytest.raises(ValueError, match="already holds shards"):
+        prepare([str(tmp_path / "ok.txt")], str(tmp_path / "o4"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is not None, reason="tokenizers is installed")
+def test_prepare_without_tokenizers_package(tmp_path):
+    (tmp_path / "ok.txt").write_text("x")
+    with pytest.raises(ValueError, match="pip install tokenizers"):
+        prepare([str(tmp_path / "ok.txt")], str(tmp_path / "out"), tokenizer=str(tmp_path / "tokenizer.json"))
+
+
+# ------------------------------------------------------------------------------------------------ sample content
+
+@pytest.mark.parametrize("num_tokens", [NUM_SAMPLES * SEQ_LEN, NUM_SAMPLES * SEQ_LEN + 1, NUM_SAMPLES * SEQ_LEN + 5])
+def test_windows_are_non_overlapping_and_cross_shards(tmp_path, num_tokens):
+    write_arange_shards(tmp_path, num_tokens, sizes=(13, 0, 50))
+    dataset = build_dataset(tokens_cfg(tmp_path), SEQ_LEN, VOCAB)
+    assert dataset.num_samples == (num_tokens - 1) // SEQ_LEN
+    for k in range(dataset.num_samples):
+        inputs, labels = dataset.window(k)
+        window = torch.arange(k * SEQ_LEN, k * SEQ_LEN + SEQ_LEN + 1)
+        assert torch.equal(inputs, window[:-1]) and torch.equal(labels, window[1:])
+
+
+def test_stream_pickles_without_its_data(tmp_path):
+    write_arange_shards(tmp_path, 50_000, sizes=(20_000,))
+    stream = load_shards(str(tmp_path))
+    stream.read(0, 50_000)  # opens the maps
+    assert len(pickle.dumps(stream)) < 5_000  # a pickled memmap would carry all 100 kB of tokens
+
+
+# --------------------------------------------------------------------------------------------------------- order
+
+def test_order_is_a_pure_function_of_seed_and_index(shards):
+    indices = list(range(3 * NUM_SAMPLES))
+    forward = [SampleOrder(NUM_SAMPLES, seed=5)(g) for g in indices]
+    shuffled = SampleOrder(NUM_SAMPLES, seed=5)
+    backward = [shuffled(g) for g in reversed(indices)][::-1]
+    assert forward == backward
+    assert forward != [SampleOrder(NUM_SAMPLES, seed=6)(g) for g in indices]
+    assert forward[:NUM_SAMPLES] != list(range(NUM_SAMPLES))  # shuffled at all
+
+    a, b = (build_dataset(tokens_cfg(shards, seed=5), SEQ_LEN, VOCAB) for _ in range(2))
+    for g in (77, 3, 41, 0, 119):
+        assert torch.equal(a[g][0], b[g][0])
+        assert a[g][0][0] // SEQ_LEN == forward[g]
+
+
+def test_synthetic_is_a_pure_function_of_seed_and_index():
+    a, b = SyntheticTokens(SEQ_LEN, 50, seed=1), SyntheticTokens(SEQ_LEN, 50, seed=1)
+    first = [a[g][0] for g in (0, 1, 2**40)]
+    assert all(torch.equal(x, b[g][0]) for x, g in zip(first, (0, 1, 2**40)))
+    assert not torch.equal(first[0], first[1])
+    assert not torch.equal(first[0], SyntheticTokens(SEQ_LEN, 50, seed=2)[0][0])
+    inputs, labels = a[7]
+    assert torch.equal(inputs[1:], labels[:-1]) and 0 <= inputs.min() and labels.max() < 50
+
+
+# ---------------------------------------------------------------------------- steps and world-size independence
+
+SPLITS_OF_8 = [(8, 1, 1), (4, 2, 1), (2, 2, 2), (2, 1, 4), (1, 2, 4)]  # (micro_batch, accum, dp): G = 8
+
+
+@pytest.mark.parametrize("b,accum,dp", SPLITS_OF_8)
+def test_each_step_covers_exactly_its_global_indices(b, accum, dp):
+    G, start = samples_per_step(b, accum, dp), 5
+    iters = [iter(StepSampler(b, accum, r, dp, start_sample=start)) for r in range(dp)]
+    for step in range(3):
+        per_rank = [[g for _ in range(accum) for g in next(it)] for it in iters]
+        flat = [g for rank in per_rank for g in rank]
+        assert len(flat) == len(set(flat)) == G  # disjoint across ranks and micro-batches
+        assert set(flat) == set(range(start + step * G, start + step * G + G))
+
+
+def test_micro_batch_layout():
+    it = iter(StepSampler(micro_batch_size=2, grad_accum_steps=2, dp_rank=1, dp_size=2, start_sample=0))
+    assert [next(it) for _ in range(3)] == [[2, 3], [6, 7], [10, 11]]
+
+
+def test_steps_do_not_depend_on_how_the_global_batch_is_split(shards):
+    cfg = tokens_cfg(shards)
+    reference = run_steps(cfg, b=8, accum=1, dp=1, steps=7)
+    for b, accum, dp in SPLITS_OF_8[1:]:
+        assert run_steps(cfg, b=b, accum=accum, dp=dp, steps=7) == reference, (b, accum, dp)
+
+
+def test_epoch_boundary_neither_drops_nor_repeats(shards):
+    steps = run_steps(tokens_cfg(shards), b=3, accum=1, dp=2, steps=2 * NUM_SAMPLES // 6 + 1)  # G=6 straddles epochs
+    order = [i for step in steps for i in step]
+    first, second = order[:NUM_SAMPLES], order[NUM_SAMPLES:2 * NUM_SAMPLES]
+    assert sorted(first) == sorted(second) == list(range(NUM_SAMPLES))
+    assert first != second  # each epoch its own permutation
+
+
+def test_resume_on_another_world_size(shards):
+    cfg, G, k = tokens_cfg(shards), 8, 3
+    uninterrupted = run_steps(cfg, b=2, accum=1, dp=4, steps=k + 6)
+    resumed = run_steps(cfg, b=2, accum=2, dp=2, steps=6, start_sample=k * G)
+    assert [sorted(s) for s in resumed] == [sorted(s) for s in uninterrupted[k:]]
+    assert sorted(uninterrupted[0]) != sorted(uninterrupted[k])  # the comparison above can tell steps apart
+
+
+def test_sampler_state_is_rank_and_world_size_independent():
+    G = 8
+    sampler = StepSampler(micro_batch_size=2, grad_accum_steps=2, dp_rank=1, dp_size=2, start_sample=4)
+    it = iter(sampler)
+    for _ in range(3 * 2):  # three steps of two micro-batches
+        next(it)
+    assert sampler.state_dict() == {"consumed_samples": 4 + 3 * G}
+    next(it)  # mid-step: the step in progress is not counted yet
+    assert sampler.state_dict() == {"consumed_samples": 4 + 3 * G}
+
+    other = StepSampler(micro_batch_size=1, grad_accum_steps=1, dp_rank=3, dp_size=4)
+    other.load_state_dict(sampler.state_dict())
+    assert next(iter(other)) == [4 + 3 * G + 3]
+
+
+def test_loader_with_a_worker_matches_in_process_loading(shards):
+    in_process = run_steps(tokens_cfg(shards), b=2, accum=2, dp=2, steps=12)
+    with_workers = run_steps(tokens_cfg(shards, num_workers=1), b=2, accum=2, dp=2, steps=12)
+    assert with_workers == in_process
+
+
+def test_synthetic_loader(tmp_path):
+    cfg = DataConfig(source="synthetic", num_workers=0)
+    inputs, labels = next(iter(build_dataloader(cfg, seq_len=16, micro_batch_size=4, grad_accum_steps=1, dp_rank=0,
+                                                dp_size=1, vocab_size=32)))
+    assert inputs.shape == (4, 16) and inputs.max() < 32 and torch.equal(inputs[:, 1:], labels[:, :-1])
+
+
+# --------------------------------------------------------------------------------------------------------- stdlib
+
+def fake_stdlib(root: Path) -> list[bytes]:
+    """A small tree shaped like a standard library; returns the documents the corpus must hold, in order."""
+    files = {"os.py": b"import sys\n", "json/__init__.py": b"# json\n", "json/decoder.py": b"x = 1\n",
+             "site-packages/third.py": b"no", "__pycache__/os.py": b"no", "README.txt": b"no"}
+    for name, content in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(content)
+    return [files["json/__init__.py"], files["json/decoder.py"], files["os.py"]]
+
+
+def joined(docs: list[bytes]) -> list[int]:
+    return [t for i, doc in enumerate(docs) for t in ([BYTE_EOS] if i else []) + list(doc)]
+
+
+def test_stdlib_corpus_is_cached_and_keyed_by_file_list(tmp_path):
+    docs = fake_stdlib(tmp_path / "lib")
+    out = stdlib_shards(str(tmp_path / "cache"), root=str(tmp_path / "lib"))
+    stream = load_shards(str(out))
+    assert stream.read(0, len(stream)).tolist() == joined(docs)
+    mtime = (out / "shard_00000.bin").stat().st_mtime_ns
+    assert stdlib_shards(str(tmp_path / "cache"), root=str(tmp_path / "lib")) == out
+    assert (out / "shard_00000.bin").stat().st_mtime_ns == mtime  # reused, not rewritten
+    (tmp_path / "lib" / "new.py").write_text("y = 2\n")
+    assert stdlib_shards(str(tmp_path / "cache"), root=str(tmp_path / "lib")) != out
+
+
+def test_stdlib_corpus_survives_racing_writers(tmp_path):
+    docs = fake_stdlib(tmp_path / "lib")
+    results = []
+    def rank():
+        results.append(stdlib_shards(str(tmp_path / "cache"), str(tmp_path / "lib")))
+
+    threads = [threading.Thread(target=rank) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 8 and len(set(results)) == 1
+    stream = load_shards(str(results[0]))
+    assert stream.read(0, len(stream)).tolist() == joined(docs)
+    assert not list(results[0].glob(".*"))  # every temporary file was renamed into place
+
+
+@pytest.fixture(scope="module")
+def real_stdlib_cache(tmp_path_factory) -> str:
+    cache = tmp_path_factory.mktemp("cache")
+    stdlib_shards(str(cache))
+    return str(cache)
+
+
+def test_real_stdlib_source(real_stdlib_cache):
+    cfg = DataConfig(source="stdlib", cache_dir=real_stdlib_cache, num_workers=0)
+    assert "tokens (bytes)" in check_source(cfg, 256, 257)
+    inputs, _ = next(iter(build_dataloader(cfg, seq_len=256, micro_batch_size=2, grad_accum_steps=1, dp_rank=0,
+                                           dp_size=1, vocab_size=257)))
+    assert inputs.max() <= BYTE_EOS
+
+
+def rank_main(rank: int, shards: str, lib: str, cache: str):
+    """One data-parallel rank in its own process: races for the stdlib cache, then loads its share of 3 steps."""
+    stdlib_shards(cache, root=lib)
+    it = iter(build_dataloader(tokens_cfg(shards), seq_len=SEQ_LEN, micro_batch_size=2, grad_accum_steps=1,
+                               dp_rank=rank, dp_size=2, vocab_size=VOCAB))
+    return [(next(it)[0][:, 0] // SEQ_LEN).tolist() for _ in range(3)]
+
+
+def test_several_processes(shards, tmp_path):
+    fake_stdlib(tmp_path / "lib")
+    args = (str(shards), str(tmp_path / "lib"), str(tmp_path / "cache"))
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        per_rank = list(pool.map(rank_main, [0, 1], *[[a, a] for a in args]))
+    expected = run_steps(tokens_cfg(shards), b=4, accum=1, dp=1, steps=3)
+    assert [r0 + r1 for r0, r1 in zip(*per_rank)] == expected
+
+
+# --------------------------------------------------------------------------------------------------------- errors
+
+def corrupt(folder: Path, how: str) -> None:
+    write_arange_shards(folder, 100, sizes=(50,))
+    if how == "no sidecar":
+        (folder / "part_01.json").unlink()
+    elif how == "not json":
+        (folder / "part_01.json").write_text("{oops")
+    elif how == "bad dtype":
+        (folder / "part_01.json").write_text(json.dumps({"dtype": "int8", "num_tokens": 50, "vocab_size": VOCAB,
+                                                         "tokenizer": "bytes"}))
+    elif how == "truncated":
+        data = (folder / "part_01.bin").read_bytes()
+        (folder / "part_01.bin").write_bytes(data[:-2])
+
+
+@pytest.mark.parametrize("how,message", [("no sidecar", "no sidecar part_01.json"), ("not json", "corrupt"),
+                                         ("bad dtype", "corrupt"), ("truncated", "98 bytes")])
+def test_broken_shards_are_refused(tmp_path, how, message):
+    corrupt(tmp_path, how)
+    with pytest.raises(ConfigError, match=f"data.path={tmp_path}.*{message}"):
+        check_source(tokens_cfg(tmp_path), SEQ_LEN, VOCAB)
+
+
+def test_setting_errors_name_the_field(tmp_path):
+    def error(cfg, seq_len=SEQ_LEN, vocab_size=VOCAB) -> str:
+        with pytest.raises(ConfigError) as info:
+            check_source(cfg, seq_len, vocab_size)
+        return str(info.value)
+
+    assert "data.path is not set" in error(DataConfig(source="tokens"))
+    missing = error(tokens_cfg(tmp_path / "nope"))
+    assert "data.path=" in missing and "does not exist" in missing
+    (tmp_path / "empty").mkdir()
+    assert "no token shards" in error(tokens_cfg(tmp_path / "empty"))
+    (tmp_path / "file.bin").write_bytes(b"")
+    assert "is a file" in error(tokens_cfg(tmp_path / "file.bin"))
+
+    (tmp_path / "zero").mkdir()
+    write_shard(tmp_path / "zero" / "a.bin", np.array([], np.uint16), VOCAB, "bytes")
+    assert "hold no tokens" in error(tokens_cfg(tmp_path / "zero"))
+
+    write_arange_shards(tmp_path / "short", 10)
+    short = error(tokens_cfg(tmp_path / "short"), seq_len=16)
+    assert "data.path=" in short and "holds 10 tokens" in short and "train.seq_len=16" in short and "17" in short
+    assert "at most 9" in short
+
+    write_arange_shards(tmp_path / "big_vocab", 100, vocab_size=70000)
+    vocab = error(tokens_cfg(tmp_path / "big_vocab"), vocab_size=32000)
+    assert "model.vocab_size=32000" in vocab and "--model.vocab_size 70000" in vocab
+    assert json.loads((tmp_path / "big_vocab" / "part_00.json").read_text())["dtype"] == "uint32"
+
+    write_arange_shards(tmp_path / "mixed", 100, sizes=(50,))
+    meta = json.loads((tmp_path / "mixed" / "part_01.json").read_text())
+    (tmp_path / "mixed" / "part_01.json").write_text(json.dumps({**meta, "tokenizer": "other.json"}))
+    assert "different tokenizers" in error(tokens_cfg(tmp_path / "mixed"))
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert "data.cache_dir=" in error(DataConfig(source="stdlib", cache_dir=str(blocker / "cache")))
+
+
+def test_stdlib_needs_257_tokens(real_stdlib_cache):
+    with pytest.raises(ConfigError, match="model.vocab_size=256.*--model.vocab_size 257"):
+        check_source(DataConfig(source="stdlib", cache_dir=real_stdlib_cache), 256, 256)
