@@ -270,7 +270,7 @@ def _config_path(argv: Sequence[str]) -> Optional[str]:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, cls: type = Config,
-               description: Optional[str] = None):
+               description: Optional[str] = None, prog: str = "python -m fsdp_trainer.train"):
     """Command line -> config: `--config file.toml` supplies defaults, the other flags override them.
 
     `cls` may be any dataclass that embeds Config's fields (tools such as the planner add their own flags).
@@ -283,7 +283,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, cls: type = Config,
         for f in dataclasses.fields(Config):
             setattr(default, f.name, getattr(from_file, f.name))
         default.config = Path(path)
-    return tyro.cli(cls, args=argv, default=default, use_underscores=True, description=description)
+    return tyro.cli(cls, args=argv, default=default, use_underscores=True, description=description, prog=prog)
 
 
 def to_toml(cfg: Config) -> str:

@@ -1,0 +1,93 @@
+"""Throughput sweep: tokens/s/GPU, TFLOPs/GPU, MFU and peak memory for named variants of one config.
+
+    python benchmarks/throughput.py --config configs/llama3_8b.toml --nproc 4 --steps 30 \\
+        --variant "eager op-AC=--ac.mode op" \\
+        --variant "compiled op-AC=--ac.mode op --parallel.compile true"
+
+Each variant is a real `torchrun -m fsdp_trainer.train` run; rates are averaged over the logging windows after
+`--warmup` steps (compilation and allocator warm-up excluded). Results: a table on stdout, and JSON (+ PNG when
+matplotlib is installed) in benchmarks/results/<date>-<gpu>x<count>/, with the torch version and exact commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from results import result_dir, write_results
+
+COLUMNS = [("tokens/s/GPU", "tokens_per_s_per_gpu", "{:,.0f}"), ("TFLOPs/GPU", "tflops_per_gpu", "{:.1f}"),
+           ("MFU %", "mfu", "{:.1%}"), ("active GiB", "mem_active_gib", "{:.1f}"),
+           ("reserved GiB", "mem_reserved_gib", "{:.1f}"), ("loss", "loss", "{:.3f}")]
+
+
+def run_variant(name: str, overrides: list[str], args, workdir: Path) -> dict:
+    out = workdir / name.replace(" ", "_")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "-m", "fsdp_trainer.train",
+           "--config", args.config, "--train.steps", str(args.steps), "--train.log_every", str(args.log_every),
+           "--train.output_dir", str(out), "--checkpoint.interval", "0", "--checkpoint.resume", "none",
+           "--checkpoint.save_final", "false", "--metrics.tensorboard", "false", *args.extra, *overrides]
+    print("$", shlex.join(cmd), flush=True)
+    proc = subprocess.run(cmd, text=True, capture_output=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    sys.stderr.write(proc.stderr[-3000:])
+    row = {"variant": name, "command": shlex.join(cmd), "returncode": proc.returncode}
+    metrics = out / "metrics.jsonl"
+    if proc.returncode != 0 or not metrics.is_file():
+        row["error"] = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return row
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steady = [r for r in rows if r["step"] > args.warmup] or rows[-1:]
+    for _, key, _ in COLUMNS:
+        values = [r[key] for r in steady if key in r]
+        if values:
+            # Rates average over the steady windows; memory peaks and loss come from the last row.
+            row[key] = sum(values) / len(values) if key in ("tokens_per_s_per_gpu", "tflops_per_gpu", "mfu") \
+                else steady[-1][key]
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    header = ["variant"] + [title for title, _, _ in COLUMNS]
+    lines = [[r["variant"]] + [fmt.format(r[key]) if key in r else ("FAILED" if "error" in r else "-")
+                               for _, key, fmt in COLUMNS] for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
+    for line in [header] + lines:
+        print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']}: {r['error']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--nproc", type=int, default=1, help="GPUs (processes) per run")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=10, help="steps excluded from the averages")
+    parser.add_argument("--variant", action="append", required=True, metavar="NAME=FLAGS",
+                        help="a name and the train flags that define it; repeat for each variant")
+    parser.add_argument("--name", default="throughput", help="file name stem of the results")
+    parser.add_argument("extra", nargs="*", help="flags added to every variant (after --)")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in args.variant:
+            name, _, flags = spec.partition("=")
+            rows.append(run_variant(name.strip(), shlex.split(flags), args, Path(tmp)))
+            print_table(rows[-1:])
+    print()
+    print_table(rows)
+    folder = result_dir(args.nproc)
+    write_results(folder, args.name, rows, command=shlex.join([sys.executable, *sys.argv]),
+                  plot=("tokens_per_s_per_gpu", "tokens/s/GPU"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Shared test helpers: run a function on N real gloo ranks, tiny configs, full state dicts."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from fsdp_trainer.config import Config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        # Plain pickle bytes: torch's queue would share tensors through file descriptors that die with us.
+        queue.put((rank, pickle.dumps(fn(*args)), None))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test with it
+        queue.put((rank, None, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
+    """Run `fn(*args)` on `world_size` spawned processes forming one gloo group; return each rank's result."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, value, error = queue.get(timeout=timeout)
+            results[rank] = pickle.loads(value) if value is not None else None
+            if error:
+                errors.append(f"rank {rank}:\n{error}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert not errors, "\n".join(errors)
+    return [results[r] for r in range(world_size)]
+
+
+def tiny_config(**sections) -> Config:
+    """A model and batch small enough that a few steps on several CPU ranks take seconds."""
+    cfg = Config()
+    cfg.model.n_layers, cfg.model.dim, cfg.model.n_heads, cfg.model.n_kv_heads = 2, 64, 4, 2
+    cfg.model.vocab_size = 320
+    cfg.data.num_workers = 0
+    cfg.train.steps, cfg.train.seq_len, cfg.train.micro_batch_size, cfg.train.log_every = 4, 32, 4, 1
+    cfg.optim.warmup_steps = 2
+    cfg.parallel.param_dtype = "float32"
+    cfg.metrics.tensorboard = False
+    cfg.checkpoint.interval = 0
+    for section, values in sections.items():
+        for key, value in values.items():
+            setattr(getattr(cfg, section), key, value)
+    return cfg

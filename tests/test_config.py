@@ -1,0 +1,129 @@
+"""Config loading, overrides and validation: every error names the field, the value and a fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_trainer.config import Config, ConfigError, load_toml, mesh_shape, parse_args, to_toml, validate
+from fsdp_trainer.models.llama import model_args_from_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_toml_sets_defaults_and_flags_override(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nsteps = 7\nseq_len = 64\n[optim]\nbetas = [0.8, 0.9]\n')
+    cfg = parse_args(["--config", str(path), "--train.steps", "50"])
+    assert (cfg.train.steps, cfg.train.seq_len, cfg.optim.betas) == (50, 64, (0.8, 0.9))
+    assert cfg.model.name == "debug"  # untouched sections keep their defaults
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = parse_args(["--model.name", "1b", "--ac.mode", "op", "--train.steps", "3"])
+    path = tmp_path / "resolved.toml"
+    path.write_text(to_toml(cfg))
+    again = load_toml(path)
+    again.config = cfg.config
+    assert again == cfg
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("[train]\nstep = 5\n", "unknown key 'train.step'; did you mean 'train.steps'?"),
+    ("[trian]\nsteps = 5\n", "unknown key 'trian'; did you mean 'train'?"),
+    ("[model]\nname = 'debug'\nn_layer = 2\n", "did you mean 'model.n_layers'?"),
+])
+def test_unknown_toml_key_names_key_file_and_closest_match(tmp_path, text, expected):
+    path = tmp_path / "typo.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_toml(path)
+    assert expected in str(err.value) and str(path) in str(err.value)
+
+
+def test_missing_and_malformed_config_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_toml(tmp_path / "absent.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_toml(bad)
+
+
+@pytest.mark.parametrize("replicate,shard,world,expected", [
+    (1, -1, 8, (1, 8)), (2, -1, 8, (2, 4)), (2, 4, 8, (2, 4)), (1, 1, 1, (1, 1)),
+])
+def test_mesh_shape(replicate, shard, world, expected):
+    cfg = Config()
+    cfg.parallel.dp_replicate, cfg.parallel.dp_shard = replicate, shard
+    assert mesh_shape(cfg.parallel, world) == expected
+
+
+@pytest.mark.parametrize("replicate,shard,world,message", [
+    (3, -1, 8, "parallel.dp_replicate=3 does not divide the 8 ranks"),
+    (2, 2, 8, "2 x 2 = 4, but this job has 8 ranks; set parallel.dp_shard=-1"),
+    (0, -1, 8, "parallel.dp_replicate=0: must be at least 1"),
+    (1, 0, 8, "parallel.dp_shard=0"),
+])
+def test_impossible_mesh_is_rejected(replicate, shard, world, message):
+    cfg = Config()
+    cfg.parallel.dp_replicate, cfg.parallel.dp_shard = replicate, shard
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        validate(cfg, world, "cpu")
+
+
+@pytest.mark.parametrize("section,key,value,message", [
+    ("train", "seq_len", 4096, "train.seq_len=4096 exceeds model.max_seq_len=1024"),
+    ("train", "micro_batch_size", 0, "train.micro_batch_size=0: must be at least 1"),
+    ("model", "name", "9b", "model.name='9b' is not a preset; choose one of debug, 125m"),
+    ("model", "n_kv_heads", 3, "model.n_kv_heads=3 must divide model.n_heads=8"),
+    ("optim", "min_lr", 1.0, "need 0 <= min_lr <= lr"),
+    ("parallel", "compile", True, "parallel.compile needs a CUDA GPU"),
+    ("parallel", "cpu_offload", True, "parallel.cpu_offload needs a CUDA GPU"),
+    ("parallel", "param_dtype", "float16", "parallel.param_dtype=float16 needs a CUDA GPU"),
+    ("memory", "limit_gib", 40.0, "memory.limit_gib needs a CUDA GPU"),
+])
+def test_invalid_settings_name_field_value_and_fix(section, key, value, message):
+    cfg = Config()
+    setattr(getattr(cfg, section), key, value)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        validate(cfg, 1, "cpu")
+
+
+def test_every_shipped_config_loads_and_validates_for_gpus():
+    for path in sorted((ROOT / "configs").glob("*.toml")):
+        cfg = load_toml(path)
+        validate(cfg, 8, "cuda")
+        assert cfg.train.seq_len <= model_args_from_config(cfg.model).max_seq_len
+    assert load_toml(ROOT / "configs" / "llama3_8b.toml").train.seq_len == 8192
+
+
+def test_help_documents_every_flag():
+    out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--help"], capture_output=True, text=True,
+                         timeout=120, env={"COLUMNS": "80", "PATH": ""})
+    assert out.returncode == 0
+    text = " ".join(out.stdout.replace("│", " ").split())
+    assert text.startswith("usage: python -m fsdp_trainer.train")
+    for flag in ("--train.steps", "--parallel.dp_shard", "--ac.mode", "--checkpoint.async_mode",
+                 "--memory.limit_gib", "--data.source", "--optim.betas", "--parallel.reshard_after_forward"):
+        assert flag in text
+    assert "Optimizer steps to train for." in text
+    assert "-1: all ranks not used by dp_replicate" in text
+
+
+def test_bad_config_exits_before_training_with_the_message(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--train.seq_len", "5000",
+                          "--train.output_dir", str(tmp_path / "never")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "train.seq_len=5000 exceeds model.max_seq_len=1024" in out.stderr
+    assert not (tmp_path / "never").exists()
+
+
+def test_bad_flag_value_is_rejected_by_the_cli():
+    out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--parallel.param_dtype", "bf16"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "bfloat16" in out.stdout + out.stderr  # the valid choices are listed

@@ -1,0 +1,134 @@
+"""The parallelism helpers on their own: activation checkpointing, and sharding a model that is not ours."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_trainer.models.llama import ModelArgs, TransformerBlock, build
+from fsdp_trainer.parallelize import apply_ac, apply_fsdp, blocks_of
+
+from helpers import run_ranks
+
+ARGS = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim_multiplier=1.0,
+                 multiple_of=32, max_seq_len=64, rope_theta=10000.0)
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _grads_and_backward_ops(mode: str, every: int = 2):
+    """Gradients, and the ops run during backward (recomputed forward ops show up here)."""
+    model = build(ARGS, device="cpu")
+    model.init_weights(seed=0)
+    apply_ac(model, (TransformerBlock,), mode, every)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())
+    with OpCounter() as counter:
+        loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, counter.counts
+
+
+def test_every_ac_mode_gives_the_gradients_of_no_ac_and_recomputes_what_it_should():
+    reference, base = _grads_and_backward_ops("none")
+    assert base["silu"] == 0
+    # q, k, v, o, w1, w3 per block: recomputation stops early before w2, whose output backward never needs.
+    forward_mms = 6 * ARGS.n_layers
+    expected = {  # mode: (forward matmuls recomputed, blocks whose SwiGLU activation is recomputed)
+        "full": (forward_mms, ARGS.n_layers),
+        "selective": (forward_mms // 2, ARGS.n_layers // 2),
+        "op": (0, ARGS.n_layers),  # matmul outputs saved, the cheap elementwise ops recomputed
+    }
+    for mode, (mms, silus) in expected.items():
+        grads, ops = _grads_and_backward_ops(mode)
+        for name, grad in reference.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
+        assert ops["mm"] - base["mm"] == mms, mode
+        assert ops["silu"] == silus, mode
+
+
+def test_blocks_of_names_the_missing_block_type():
+    with pytest.raises(ValueError, match="has no submodule of type Linear"):
+        blocks_of(nn.Sequential(nn.ReLU()), (nn.Linear,))
+
+
+# -- a team's own model: not a transformer, no init_param, built eagerly ------------------------------------
+class ResidualMLP(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Regressor(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 3):
+        super().__init__()
+        self.stem = nn.Linear(8, width)
+        self.body = nn.Sequential(*(ResidualMLP(width) for _ in range(depth)))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.head(self.body(self.stem(x)))
+
+
+def _data():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 8, 8, generator=g)  # 3 steps x global batch 8
+    return x, x.sum(-1, keepdim=True).sin()
+
+
+def _train(model, x, y, rank, world):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(x.shape[0]):
+        shard = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        loss = F.mse_loss(model(x[step, shard]), y[step, shard])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def shard_own_model(world):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fsdp_trainer import distributed
+    info = distributed.init()
+    torch.manual_seed(0)
+    model = Regressor()
+    apply_ac(model, (ResidualMLP,), "op")
+    apply_fsdp(model, distributed.build_mesh("cpu", 1, world), block_types=(ResidualMLP,),
+               param_dtype=torch.float32)
+    losses = _train(model, *_data(), info.rank, world)
+    mean_loss = torch.stack(losses)
+    torch.distributed.all_reduce(mean_loss)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return (mean_loss / world).tolist(), state
+
+
+def test_a_teams_own_model_shards_and_matches_plain_training():
+    results = run_ranks(shard_own_model, 2, 2)
+    torch.manual_seed(0)
+    reference = Regressor()
+    ref_losses = [loss.item() for loss in _train(reference, *_data(), 0, 1)]
+    losses, state = results[0]
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, atol=1e-5, rtol=0, msg=name)
