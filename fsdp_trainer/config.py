@@ -165,6 +165,8 @@ class CheckpointConfig:
     init_from: Optional[str] = None
     """Start from these weights (a checkpoint path, or hf:<folder> for a Hugging Face Llama) with fresh
     optimizer and step count, for fine-tuning. Ignored when resuming."""
+    save_final: bool = True
+    """Save a checkpoint when training ends (benchmarks turn this off)."""
 
 
 @dataclass
