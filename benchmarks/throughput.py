@@ -2,7 +2,7 @@
 
     python benchmarks/throughput.py --config configs/llama3_8b.toml --nproc 4 --steps 30 \\
         --variant "eager op-AC=--ac.mode op" \\
-        --variant "compiled op-AC=--ac.mode op --parallel.compile true"
+        --variant "compiled op-AC=--ac.mode op --parallel.compile"
 
 Each variant is a real `torchrun -m fsdp_trainer.train` run; rates are averaged over the logging windows after
 `--warmup` steps (compilation and allocator warm-up excluded). Results: a table on stdout, and JSON (+ PNG when
@@ -32,7 +32,7 @@ def run_variant(name: str, overrides: list[str], args, workdir: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "-m", "fsdp_trainer.train",
            "--config", args.config, "--train.steps", str(args.steps), "--train.log_every", str(args.log_every),
            "--train.output_dir", str(out), "--checkpoint.interval", "0", "--checkpoint.resume", "none",
-           "--checkpoint.save_final", "false", "--metrics.tensorboard", "false", *args.extra, *overrides]
+           "--checkpoint.no_save_final", "--metrics.no_tensorboard", *args.extra, *overrides]
     print("$", shlex.join(cmd), flush=True)
     proc = subprocess.run(cmd, text=True, capture_output=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     sys.stderr.write(proc.stderr[-3000:])

@@ -1,0 +1,65 @@
+"""Which SDPA backend runs Llama-3 8B attention, and how fast: grouped KV heads vs KV expanded to all heads.
+
+    python benchmarks/attention.py [--seq 8192]
+
+Forward+backward of causal attention, 32 query heads, 8 KV heads, head dim 128, bf16, batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from results import result_dir, write_results
+
+BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def time_ms(fn, iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq", type=int, default=8192)
+    args = parser.parse_args()
+    q = torch.randn(1, 32, args.seq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 8, args.seq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    layouts = {
+        "gqa (enable_gqa)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        "expanded kv": lambda: F.scaled_dot_product_attention(
+            q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True),
+    }
+    rows = []
+    for layout, attend in layouts.items():
+        for backend, kind in BACKENDS.items():
+            def step():
+                with sdpa_kernel([kind]) if kind else torch.enable_grad():
+                    attend().sum().backward()
+            try:
+                ms = time_ms(step)
+            except RuntimeError as err:
+                rows.append({"layout": layout, "backend": backend, "error": str(err).splitlines()[0][:80]})
+                continue
+            rows.append({"layout": layout, "backend": backend, "fwd_bwd_ms": round(ms, 3)})
+    for r in rows:
+        print(f"{r['layout']:>18}  {r['backend']:>9}  {r.get('fwd_bwd_ms', r.get('error'))}")
+    write_results(result_dir(1), "attention", rows, command=" ".join([sys.executable, *sys.argv]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""GPU-only paths, run on the GPU machine: `python -m pytest -m gpu tests/test_gpu.py` (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_trainer import distributed, train
+
+from helpers import tiny_config
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def info():
+    return distributed.init()
+
+
+def _run(info, tmp_path, **sections):
+    sections.setdefault("train", {})
+    sections["train"] = {"output_dir": str(tmp_path), "steps": 30, **sections["train"]}
+    sections.setdefault("parallel", {})
+    sections["parallel"] = {"param_dtype": "auto", **sections["parallel"]}
+    cfg = tiny_config(**sections)
+    cfg.checkpoint.save_final = False
+    return train.run(cfg, info)
+
+
+def test_bfloat16_compute_fp32_master_weights_and_fused_adamw(info, tmp_path):
+    result = _run(info, tmp_path)
+    history, model, optimizer = result["history"], result["model"], result["optimizer"]
+    assert history[-1]["loss"] < history[0]["loss"] - 0.5
+    assert {p.to_local().dtype for p in model.parameters()} == {torch.float32}
+    assert {s["exp_avg"].dtype for s in optimizer.state.values()} == {torch.float32}
+    assert optimizer.defaults["fused"]
+    assert history[-1]["mem_active_gib"] > 0
+
+
+def test_float16_with_loss_scaling_trains(info, tmp_path):
+    history = _run(info, tmp_path, parallel={"param_dtype": "float16"})["history"]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in history)
+    assert history[-1]["loss"] < history[0]["loss"] - 0.5
+
+
+def test_compiled_blocks_match_eager(info, tmp_path):
+    eager = _run(info, tmp_path / "eager", train={"steps": 8}, parallel={"param_dtype": "float32"})["history"]
+    compiled = _run(info, tmp_path / "compiled", train={"steps": 8},
+                    parallel={"param_dtype": "float32", "compile": True}, ac={"mode": "op"})["history"]
+    for a, b in zip(eager, compiled):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-3)
+
+
+def test_cpu_offload_trains(info, tmp_path):
+    history = _run(info, tmp_path, parallel={"cpu_offload": True}, train={"steps": 10})["history"]
+    assert history[-1]["loss"] < history[0]["loss"]
+
+
+def test_memory_limit_caps_the_process(info, tmp_path):
+    _run(info, tmp_path, memory={"limit_gib": 2.0}, train={"steps": 2})
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(3 * 1024 ** 3, dtype=torch.uint8, device="cuda")
+    torch.cuda.set_per_process_memory_fraction(1.0)
