@@ -13,7 +13,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
 if [[ " $* " != *" --8b "* ]]; then
-  python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -15
+  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:warnings 2>&1 | tail -60
   python3 benchmarks/attention.py
   python3 benchmarks/throughput.py --config configs/llama3_1b.toml --nproc "$NGPU" --steps 30 --name llama3_1b \
     --variant "eager noAC=--ac.mode none --parallel.no_compile" \

@@ -90,17 +90,22 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """Complex rotations e^{i * pos * theta^(-2k/d)}, shape [max_seq_len, head_dim // 2]."""
+    """cos and sin of pos * theta^(-2k/d), shape [max_seq_len, head_dim // 2, 2].
+
+    Real-valued rather than complex: inductor generates no code for complex ops, so a complex RoPE
+    would fall back to eager kernels inside every compiled block."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
-    return torch.polar(torch.ones_like(angles), angles)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs of x [batch, seq, heads, head_dim] (Meta's interleaved layout) in float32."""
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    rotated = pairs * rope[: x.shape[1]].unsqueeze(1)
-    return torch.view_as_real(rotated).flatten(3).type_as(x)
+    pairs = x.float().unflatten(-1, (-1, 2))
+    cos, sin = rope[: x.shape[1], None, :, 0], rope[: x.shape[1], None, :, 1]
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(3).type_as(x)
 
 
 class Attention(nn.Module):
