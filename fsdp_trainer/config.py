@@ -190,6 +190,14 @@ class DistConfig:
 
 
 @dataclass
+class ProfileConfig:
+    steps: Optional[str] = None
+    """Record a torch.profiler trace of steps a to b (inclusive), e.g. 10:12, into <output_dir>/profile."""
+    memory_snapshot: bool = False
+    """Also record a CUDA memory snapshot of those steps (for pytorch.org/memory_viz)."""
+
+
+@dataclass
 class Config:
     """Train a Llama-style model with FSDP2 (one TOML file for defaults, flags to override)."""
 
@@ -205,6 +213,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))
@@ -365,6 +374,12 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
         raise ConfigError(f"data.num_workers={cfg.data.num_workers}: must be >= 0")
     if cfg.checkpoint.keep < 1 or cfg.checkpoint.interval < 0 or cfg.checkpoint.interval_minutes < 0:
         raise ConfigError("checkpoint.keep must be >= 1, checkpoint.interval and interval_minutes >= 0")
+    if cfg.profile.steps:
+        from fsdp_trainer.profiling import parse_steps
+        try:
+            parse_steps(cfg.profile.steps)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     if device_type != "cuda":
         gpu_only = {"parallel.param_dtype=float16": cfg.parallel.param_dtype == "float16",
                     "parallel.cpu_offload": cfg.parallel.cpu_offload,

@@ -1,0 +1,53 @@
+"""Weak scaling: the same model and per-GPU batch on 1, 2, 4 (and 8) GPUs of one host.
+
+    python benchmarks/scaling.py --config configs/llama3_8b.toml --gpus 1 2 4 8 -- --ac.mode op
+
+Efficiency at N GPUs = (tokens/s/GPU at N) / (tokens/s/GPU at the smallest count measured). A count larger than
+the visible GPUs is skipped; a count the model does not fit on shows FAILED with the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from results import result_dir, write_results
+from throughput import print_table, run_variant
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("extra", nargs="*", help="train flags for every run (after --)")
+    args = parser.parse_args()
+    counts = [n for n in args.gpus if n <= max(1, torch.cuda.device_count())]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in counts:
+            args.nproc = n
+            row = run_variant(f"{n} GPU", [], args, Path(tmp))
+            row["gpus"] = n
+            rows.append(row)
+    base = next((r for r in rows if "tokens_per_s_per_gpu" in r), None)
+    for r in rows:
+        if base and "tokens_per_s_per_gpu" in r:
+            r["efficiency"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+    print_table(rows)
+    for r in rows:
+        if "efficiency" in r:
+            print(f"{r['variant']}: weak-scaling efficiency {r['efficiency']:.1%} vs {base['variant']}")
+    write_results(result_dir(max(counts)), f"scaling_{Path(args.config).stem}", rows,
+                  command=shlex.join([sys.executable, *sys.argv]), plot=("tokens_per_s_per_gpu", "tokens/s/GPU"))
+
+
+if __name__ == "__main__":
+    main()

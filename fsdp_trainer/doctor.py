@@ -1,0 +1,696 @@
+"""Is this node (or cluster) fit to train? Environment, collective correctness and bandwidth, each step on a deadline.
+
+    python -m fsdp_trainer.doctor                                   # one process: environment and a 1-rank group
+    torchrun --nproc_per_node=8 -m fsdp_trainer.doctor              # one node, every GPU
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD:29500 \\
+        -m fsdp_trainer.doctor                                      # two nodes: run this on each
+    torchrun --nproc_per_node=8 -m fsdp_trainer.doctor --json > doctor.json   # the text report goes to stderr
+    python -m fsdp_trainer.doctor --try-fixes --nproc 8             # a check failed: find the setting that fixes it
+    NCCL_DEBUG=INFO torchrun --nproc_per_node=8 -m fsdp_trainer.doctor --sizes 0   # which transport NCCL picked
+
+What it does, in order; the exit status is 0 only if every step passed:
+1. Environment: torch/CUDA/NCCL versions; per rank its host, pid and GPU (memory, compute capability, bf16);
+   per host /dev/shm (a warning under 1 GiB: Docker's 64 MB default breaks NCCL's shared-memory transport),
+   memory and network interfaces; every NCCL_*, TORCH_*, GLOO_* and CUDA_VISIBLE_DEVICES variable, explained;
+   `nvidia-smi topo -m`. Gathered through the c10d store, so it prints even when the collectives are broken.
+2. Checks: all_reduce, all_gather, reduce_scatter, broadcast (from rank 0) and a send/recv ring, on the group's
+   device (NCCL on GPU, gloo on CPU), at a small and a large message size (NCCL switches protocol between them).
+   Every rank contributes distinct small integers, so every element of every result has an exact expected value.
+3. Bandwidth: all_reduce, all_gather and reduce_scatter over --sizes (powers of 4), the median of --iters timed
+   runs. algbw = size / time and busbw as nccl-tests defines them (size is the full, unsharded buffer), so the
+   table compares with `all_reduce_perf -b 1K -e 1G -f 4`. Skipped once a check has failed.
+
+How a hang is caught: before each step a rank writes an arrival key to the c10d store and after it a done key
+(the store is a TCP side channel, so it works while the collectives do not). A watchdog timer per step fires
+after --deadline-s: rank 0 then reads the keys, names the ranks that never arrived (with the last step they did
+reach) or that are stuck inside, prints the report and leaves with os._exit(1), because a rank blocked in a
+collective cannot shut down cleanly. The other ranks wait for that report before they exit, since torchrun
+kills every rank as soon as one fails.
+
+--try-fixes (single node only; run it as a plain process, it starts the groups itself): runs the doctor in a
+fresh group of --nproc ranks; if that fails, again with each candidate setting until one passes, cheapest first:
+NCCL_NVLS_ENABLE=0, NCCL_SHM_DISABLE=1, NCCL_IB_DISABLE=1, NCCL_SOCKET_IFNAME=<each interface>, NCCL_P2P_DISABLE=1
+(on CPU: GLOO_SOCKET_IFNAME=<each interface>).
+
+Fault injection, for the tests: FSDP_TRAINER_DOCTOR_FAULT=hang:rank=1 makes rank 1 block before its first
+collective check; FSDP_TRAINER_DOCTOR_FAULT=wrong:rank=1 makes rank 1 add 1 to everything it contributes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import tyro
+
+from fsdp_trainer import distributed
+from fsdp_trainer.distributed import logger
+
+# torch 2.13 renamed these two (the old names warn); torch < 2.13 has only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+GiB = 2**30
+FAULT_VAR = "FSDP_TRAINER_DOCTOR_FAULT"
+
+KNOWN_VARIABLES = {
+    "NCCL_DEBUG": "NCCL log level; INFO prints the transport chosen for each peer (P2P, SHM, NET) at start-up",
+    "NCCL_DEBUG_SUBSYS": "which NCCL subsystems log (e.g. INIT,P2P,SHM,NET)",
+    "NCCL_SOCKET_IFNAME": "network interface(s) NCCL uses for bootstrap and its TCP transport",
+    "NCCL_IB_DISABLE": "1: no InfiniBand/RoCE; NCCL falls back to TCP sockets between nodes",
+    "NCCL_IB_HCA": "which InfiniBand adapters (and ports) NCCL may use",
+    "NCCL_P2P_DISABLE": "1: no direct GPU-to-GPU transport (NVLink/PCIe); data goes through host memory",
+    "NCCL_P2P_LEVEL": "the furthest topology distance at which NCCL still uses GPU peer-to-peer",
+    "NCCL_SHM_DISABLE": "1: no shared-memory (/dev/shm) transport between processes on one host",
+    "NCCL_NVLS_ENABLE": "NVLink SHARP (multicast) collectives on NVSwitch systems; 0 disables them",
+    "NCCL_NET_GDR_LEVEL": "when the NIC may read/write GPU memory directly (GPUDirect RDMA)",
+    "NCCL_ALGO": "forces the collective algorithm (Ring, Tree, NVLS, ...); for experiments only",
+    "NCCL_PROTO": "forces the protocol (LL, LL128, Simple); for experiments only",
+    "NCCL_CUMEM_ENABLE": "cuMem-based buffer allocation; 0 falls back to cudaMalloc (older drivers, containers)",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "what the NCCL watchdog does when a collective fails or times out (0: "
+                                       "nothing, 1: abort and exit, 2: abort and raise, 3 (default): exit)",
+    "TORCH_NCCL_BLOCKING_WAIT": "1: wait() blocks the CPU and raises on timeout instead of the watchdog aborting",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "flight-recorder entries kept per rank (0: off); needed for hang dumps",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1: dump the flight recorder on a timeout (needs TORCH_NCCL_TRACE_BUFFER_SIZE>0)",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "path prefix of the flight-recorder dumps",
+    "TORCH_NCCL_ENABLE_MONITORING": "1: a heartbeat monitor kills a process whose watchdog is itself stuck",
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "how long the heartbeat monitor waits for a stuck watchdog",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1: symmetric memory without NVLink multicast (where it is unavailable)",
+    "TORCH_DISTRIBUTED_DEBUG": "DETAIL: check collective shapes/order across ranks (slow; for debugging only)",
+    "TORCH_CPP_LOG_LEVEL": "c10d's own log level (INFO shows process-group set-up)",
+    "GLOO_SOCKET_IFNAME": "network interface gloo uses",
+    "CUDA_VISIBLE_DEVICES": "the GPUs this process sees, in this order",
+}
+
+
+@dataclass
+class DoctorArgs:
+    json: bool = False
+    """Print one JSON object on stdout (rank 0): environment, checks, bandwidth. The text report goes to stderr."""
+    deadline_s: float = 60.0
+    """Seconds a step (one check, one bandwidth size) may take before the doctor names the late ranks and exits 1."""
+    sizes: str = "auto"
+    """Bandwidth sizes, powers of 4: "1K..1G", a top ("64M" = 1K..64M) or "0"; auto: 1K..1G on GPU, 1K..16M on CPU."""
+    iters: int = 20
+    """Timed runs per bandwidth size, after 3 warm-up runs; the table shows the median."""
+    try_fixes: bool = False
+    """Single node, plain process only (not torchrun): rerun in fresh groups, then with each fix until one passes."""
+    nproc: int = 0
+    """Ranks per group for --try-fixes (0: every visible GPU, or 2 on CPU)."""
+
+
+def parse_sizes(spec: str) -> list[int]:
+    """ "1K..1G" -> [1K, 4K, ..., 1G]; "64M" -> 1K..64M; "0" -> []. Units are binary (K = KiB)."""
+
+    def nbytes(text: str) -> int:
+        text = text.strip().upper().removesuffix("B").removesuffix("I")
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        return int(float(text.rstrip("KMG")) * scale)
+
+    low, _, high = spec.partition("..")
+    low, high = (nbytes(low), nbytes(high)) if high else (min(1024, nbytes(low)), nbytes(low))
+    sizes = []
+    while 0 < low <= high:
+        sizes.append(low)
+        low *= 4
+    return sizes
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw / algbw: the fraction of the buffer each rank's link carries, comparable across n."""
+    return (2 * (n - 1) / n) if op == "all_reduce" else (n - 1) / n
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _pattern(rank: int, count: int, device: torch.device, offset: int = 0) -> torch.Tensor:
+    """What `rank` contributes: small integers, so sums over even thousands of ranks are exact in float32."""
+    return (torch.arange(offset, offset + count, device=device) % 251 + rank).float()
+
+
+def _sum_of_patterns(n: int, count: int, device: torch.device, offset: int = 0) -> torch.Tensor:
+    return (torch.arange(offset, offset + count, device=device) % 251 * n + n * (n - 1) // 2).float()
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor) -> Optional[str]:
+    bad = (got != want).nonzero().flatten()
+    if bad.numel() == 0:
+        return None
+    i = int(bad[0])
+    return f"{bad.numel()} of {got.numel()} elements wrong, first [{i}] = {got[i]:g}, expected {want[i]:g}"
+
+
+def _rank_facts(info: distributed.DistInfo) -> dict:
+    facts = {"rank": info.rank, "host": socket.gethostname(), "pid": os.getpid(), "device": str(info.device),
+             "interfaces": [name for _, name in socket.if_nameindex()],
+             "variables": {k: v for k, v in sorted(os.environ.items())
+                           if k.startswith(("NCCL_", "TORCH_", "GLOO_")) or k == "CUDA_VISIBLE_DEVICES"},
+             "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+             "memory_available_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")}
+    try:
+        shm = os.statvfs("/dev/shm")
+        facts["shm_bytes"], facts["shm_free_bytes"] = shm.f_blocks * shm.f_frsize, shm.f_bavail * shm.f_frsize
+    except OSError:
+        facts["shm_bytes"] = facts["shm_free_bytes"] = None
+    if info.device.type == "cuda":
+        p = torch.cuda.get_device_properties(info.device)
+        facts["gpu"] = {"name": p.name, "memory_gib": round(p.total_memory / GiB, 1),
+                        "capability": f"{p.major}.{p.minor}", "bf16": torch.cuda.is_bf16_supported()}
+    return facts
+
+
+def _topology() -> Optional[str]:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        done = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
+        return re.sub(r"\x1b\[[0-9;]*m", "", done.stdout or done.stderr).rstrip()  # it underlines the header
+    except subprocess.TimeoutExpired:
+        return "nvidia-smi topo -m did not answer within 30 s (a wedged driver or GPU?)"
+
+
+def _per_host(ranks: list[dict]) -> dict[str, dict]:
+    """The facts of each host's lowest rank: /dev/shm, memory and interfaces are the same for its other ranks."""
+    hosts = {}
+    for f in ranks:
+        hosts.setdefault(f["host"], f)
+    return hosts
+
+
+def _environment_warnings(ranks: list[dict]) -> list[str]:
+    warnings = []
+    for host, f in _per_host(ranks).items():
+        if f["shm_bytes"] is None:
+            warnings.append(f"{host}: no /dev/shm; NCCL's shared-memory transport cannot work (NCCL_SHM_DISABLE=1)")
+        elif f["shm_bytes"] < GiB:
+            warnings.append(f"{host}: /dev/shm is only {_fmt_bytes(f['shm_bytes'])} (Docker's default is 64 MB); "
+                            "NCCL's shared-memory transport fails or hangs with it. Restart the container with "
+                            "--shm-size=16g (or --ipc=host), or set NCCL_SHM_DISABLE=1")
+
+    def settings(f: dict) -> dict:  # CUDA_VISIBLE_DEVICES may differ per rank by design (e.g. under SLURM)
+        return {k: v for k, v in f["variables"].items() if k != "CUDA_VISIBLE_DEVICES"}
+
+    differ = [f["rank"] for f in ranks if settings(f) != settings(ranks[0])]
+    if differ:
+        warnings.append(f"rank(s) {_ranks(differ)} see different NCCL_/TORCH_/GLOO_ variables than rank 0; "
+                        "set them the same on every node")
+    if len({f.get("gpu", {}).get("name") for f in ranks}) > 1:
+        warnings.append("ranks run on different GPU models; the slowest sets the pace of every collective")
+    return warnings
+
+
+def _ranks(ranks) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _hints(report: dict) -> list[str]:
+    """Settings to try for a failed or hung step, most telling first. Runs on rank 0, so its host is this one."""
+    env = report["environment"]
+    ifaces = ", ".join(name for _, name in socket.if_nameindex())
+    hints = [w for w in env.get("warnings", []) if "/dev/shm" in w]
+    if env.get("backend") == "nccl":
+        hints += [
+            "NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM,NET: shows the transport each pair of ranks uses",
+            "NCCL_SHM_DISABLE=1: rules out the shared-memory transport (small /dev/shm, containers)",
+            "NCCL_P2P_DISABLE=1: rules out GPU peer-to-peer (PCIe ACS/IOMMU, virtualised GPUs); costs bandwidth",
+            "NCCL_NVLS_ENABLE=0: rules out NVLink SHARP on NVSwitch systems (fabric manager / IMEX not running)",
+            "NCCL_IB_DISABLE=1: rules out InfiniBand/RoCE between nodes (falls back to TCP)",
+            f"NCCL_SOCKET_IFNAME=<iface>: pins the interface NCCL uses; rank 0's host has: {ifaces}",
+        ]
+    else:
+        hints.append(f"GLOO_SOCKET_IFNAME=<iface>: pins the interface gloo uses; rank 0's host has: {ifaces}")
+    hints.append("python -m fsdp_trainer.doctor --try-fixes --nproc N: tries these one at a time on this node")
+    already = {f"{k}={v}" for k, v in os.environ.items()}
+    return [h for h in hints if h.split(":")[0] not in already]  # no advice to set what is set already
+
+
+class Doctor:
+    """One doctor run on one rank: init, environment, checks and bandwidth, each as a step on the deadline."""
+
+    def __init__(self, args: DoctorArgs, fault: Optional[tuple[str, int]]):
+        self.args, self.fault = args, fault
+        self.out = sys.stderr if args.json else sys.stdout
+        self.report = {"ok": False, "deadline_s": args.deadline_s, "environment": {}, "checks": [],
+                       "bandwidth": [], "hints": []}
+        try:  # before any rank starts, so that a typo fails fast and alike on every rank
+            self.sizes = parse_sizes(("1K..1G" if torch.cuda.is_available() else "1K..16M")
+                                     if args.sizes == "auto" else args.sizes)
+        except ValueError:
+            raise SystemExit(f"--sizes {args.sizes!r}: expected e.g. 1K..1G, 64M or 0") from None
+
+    def run(self) -> int:
+        with _watchdog(self.args.deadline_s, lambda: self._init_failed(f"took over {self.args.deadline_s:g} s")):
+            try:
+                # The group's own timeout is longer than ours, so that our deadline fires first and names the ranks.
+                self.info = distributed.init(timeout_s=self.args.deadline_s + 30)
+            except Exception as e:  # e.g. NCCL cannot use the interface it was given
+                self._init_failed(f"failed: {type(e).__name__}: {' '.join(str(e).split())}")
+        self.rank, self.n, self.device = self.info.rank, self.info.world_size, self.info.device
+        self.store = dist.distributed_c10d._get_default_store()
+        self.report["environment"]["backend"] = self.info.backend  # for the hints, should the next step hang
+        cuda = self.device.type == "cuda"
+        # A small message (NCCL's LL protocol) and a large one (Simple); CPU keeps the large one modest.
+        self.check_counts = (1031, 1 << 22 if cuda else 1 << 16)
+        self.report["check_elements"] = list(self.check_counts)
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+        self._environment()
+        for name, check in (("all_reduce", self._all_reduce), ("all_gather", self._all_gather),
+                            ("reduce_scatter", self._reduce_scatter), ("broadcast", self._broadcast),
+                            ("send_recv_ring", self._ring)):
+            if name == "send_recv_ring" and self.n == 1:
+                self.report["checks"].append({"name": name, "ok": True, "skipped": "needs 2+ ranks"})
+            else:
+                self._check(name, check)
+        if self._rank0_decides("run bandwidth", all(c["ok"] for c in self.report["checks"])):
+            self._bandwidth(self.sizes)
+        return self._finish()
+
+    # -- steps ---------------------------------------------------------------------------------------------------
+
+    def _step(self, name: str, body: Callable[[], dict]) -> Optional[list[dict]]:
+        """Run body() on every rank under the deadline; rank 0 gets every rank's result through the store."""
+        with _watchdog(self.args.deadline_s, lambda: self._timed_out(name)):
+            if self.fault == ("hang", self.rank) and name != "environment":
+                threading.Event().wait()  # the injected hang: never joins; the watchdog ends the process
+            self.store.set(f"doctor/last/{self.rank}", name)
+            self.store.set(f"doctor/{name}/arrived/{self.rank}", "")
+            try:
+                result = body()
+            except Exception as e:  # reported per rank; a rank left behind in the collective trips the deadline
+                result = {"error": f"{type(e).__name__}: {e}".strip()}
+            self.store.set(f"doctor/{name}/done/{self.rank}", json.dumps(result))
+            if self.rank != 0:
+                return None
+            keys = [f"doctor/{name}/done/{r}" for r in range(self.n)]
+            self._wait_for(keys)  # a rank that never finishes is the watchdog's to report
+            return [json.loads(self.store.get(k)) for k in keys]
+
+    def _wait_for(self, keys: list[str], timeout_s: float = float("inf")) -> bool:
+        """Poll the store. Not store.wait(): the client runs one request at a time, and a blocking wait would
+        hold it from the watchdog thread that needs it to name the laggards."""
+        give_up = time.monotonic() + timeout_s
+        while not self.store.check(keys):
+            if time.monotonic() > give_up:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def _rank0_decides(self, name: str, decision: bool) -> bool:
+        """Rank 0's decision, on every rank (only rank 0 holds the verdicts, and all ranks must take one path)."""
+        with _watchdog(self.args.deadline_s, lambda: self._timed_out(name)):
+            if self.rank == 0:
+                self.store.set(f"doctor/{name}", str(int(decision)))
+            self._wait_for([f"doctor/{name}"])
+            return self.store.get(f"doctor/{name}") == b"1"
+
+    def _timed_out(self, name: str) -> None:
+        """Watchdog thread: the step overran. Rank 0 names the laggards and reports; every rank then exits."""
+        if self.rank != 0:
+            logger.error(f"rank {self.rank}: step {name!r} did not finish within {self.args.deadline_s:g} s; "
+                         "rank 0 reports which ranks are missing")
+            self._finish()
+            _exit(1)
+
+        def has(key: str) -> bool:  # check() never blocks, unlike get()
+            return self.store.check([key])
+
+        missing = [r for r in range(self.n) if not has(f"doctor/{name}/arrived/{r}")]
+        stuck = [r for r in range(self.n) if r not in missing and not has(f"doctor/{name}/done/{r}")]
+        facts = {f["rank"]: f for f in self.report["environment"].get("ranks", [])}
+        parts = []
+        for r in missing:
+            where = f" ({facts[r]['host']} pid {facts[r]['pid']})" if r in facts else ""
+            last = self.store.get(f"doctor/last/{r}").decode() if has(f"doctor/last/{r}") else "init"
+            parts.append(f"rank {r}{where} never arrived; the last step it reached was {last!r}")
+        if missing:
+            self.report["hints"].append("a rank that never arrived is stuck or dead outside the collective: "
+                                        "`py-spy dump --pid PID` on its host shows where")
+        if stuck:
+            parts.append(f"rank(s) {_ranks(stuck)} are waiting inside it" if missing else
+                         f"rank(s) {_ranks(stuck)} arrived but are stuck inside it: the transport itself hangs "
+                         "(see the settings below)")
+        failed = [r for r in range(self.n) if r not in missing + stuck]
+        errors = [json.loads(self.store.get(f"doctor/{name}/done/{r}")).get("error") for r in failed]
+        parts += [f"rank {r} failed: {e}" for r, e in zip(failed, errors) if e]
+        self.report["checks"].append({"name": name, "ok": False, "timed_out": True, "ranks": missing or stuck,
+                                      "suspects": missing,
+                                      "error": f"no result within {self.args.deadline_s:g} s: " + "; ".join(parts)})
+        self._finish()
+        _exit(1)
+
+    def _init_failed(self, what: str) -> None:
+        """No group, so no store: each rank reports for itself, and rank 0 writes the report."""
+        rank = int(os.environ.get("RANK", "0"))
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        message = (f"process group set-up on rank {rank} {what} (rendezvous at {where}). Likely: a rank did not "
+                   "start, cannot reach that address, or NCCL cannot create its communicator")
+        logger.error(message)
+        if rank == 0:
+            self.report["environment"]["backend"] = "nccl" if torch.cuda.is_available() else "gloo"
+            self.report["checks"].append({"name": "init", "ok": False, "timed_out": what.startswith("took"),
+                                          "error": message})
+            self._emit(1)
+        _exit(1)
+
+    def _environment(self) -> None:
+        facts = self._step("environment", lambda: _rank_facts(self.info))
+        if self.rank != 0:
+            return
+        nccl = torch.cuda.nccl.version() if self.device.type == "cuda" else None
+        env = self.report["environment"]
+        env.update(torch=torch.__version__, cuda=torch.version.cuda,
+                   nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+                   python=platform.python_version(), backend=self.info.backend, world_size=self.n,
+                   ranks=facts, topology=_topology())
+        env["warnings"] = _environment_warnings(facts)
+        render_environment(env, self.out)
+
+    # -- checks --------------------------------------------------------------------------------------------------
+
+    def _check(self, name: str, check: Callable[[int], tuple[Optional[str], list[int]]]) -> None:
+        def body() -> dict:
+            result = {}
+            for count in self.check_counts:  # every size on every rank, even after a wrong one: ranks stay in step
+                wrong, sources = check(count)
+                if wrong and not result:
+                    result = {"wrong": f"{count} elements/rank: {wrong}", "sources": sources}
+            return result
+
+        results = self._step(name, body)
+        if self.rank != 0:
+            return
+        errors = {r: res["error"] for r, res in enumerate(results) if "error" in res}
+        wrong = {r: res["wrong"] for r, res in enumerate(results) if "wrong" in res}
+        sources = sorted({s for res in results for s in res.get("sources", [])})
+        messages = [f"rank {r} raised {e}" for r, e in sorted(errors.items())]
+        if wrong:
+            first = min(wrong)
+            messages.append(f"wrong result on rank(s) {_ranks(sorted(wrong))} (rank {first}: {wrong[first]})"
+                            + (f"; the bad data came from rank(s) {_ranks(sources)}" if sources else ""))
+        entry = {"name": name, "ok": not messages, "ranks": sorted(errors | wrong), "suspects": sources}
+        if messages:
+            entry["error"] = "; ".join(messages)
+        self.report["checks"].append(entry)
+
+    def _contribution(self, count: int) -> torch.Tensor:
+        x = _pattern(self.rank, count, self.device)
+        if self.fault == ("wrong", self.rank):
+            x += 1
+        return x
+
+    def _all_reduce(self, count: int):
+        x = self._contribution(count)
+        dist.all_reduce(x)
+        return _mismatch(x, _sum_of_patterns(self.n, count, self.device)), []  # a sum cannot tell who was wrong
+
+    def _all_gather(self, count: int):
+        out = torch.full((self.n, count), -1.0, device=self.device)
+        _all_gather(out.view(-1), self._contribution(count))
+        wrong = {src: m for src in range(self.n) if (m := _mismatch(out[src], _pattern(src, count, self.device)))}
+        return (f"block from rank {min(wrong)}: {wrong[min(wrong)]}" if wrong else None), sorted(wrong)
+
+    def _reduce_scatter(self, count: int):
+        out = torch.full((count,), -1.0, device=self.device)
+        _reduce_scatter(out, self._contribution(self.n * count))
+        return _mismatch(out, _sum_of_patterns(self.n, count, self.device, offset=self.rank * count)), []
+
+    def _broadcast(self, count: int):
+        x = self._contribution(count) if self.rank == 0 else torch.full((count,), -1.0, device=self.device)
+        dist.broadcast(x, src=0)
+        wrong = _mismatch(x, _pattern(0, count, self.device))
+        return wrong, [0] if wrong else []
+
+    def _ring(self, count: int):
+        prev, send = (self.rank - 1) % self.n, self._contribution(count)
+        recv = torch.full((count,), -1.0, device=self.device)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (self.rank + 1) % self.n),
+                                            dist.P2POp(dist.irecv, recv, prev)]):
+            work.wait()
+        wrong = _mismatch(recv, _pattern(prev, count, self.device))
+        return (f"from rank {prev}: {wrong}", [prev]) if wrong else (None, [])
+
+    # -- bandwidth -----------------------------------------------------------------------------------------------
+
+    def _bandwidth(self, sizes: list[int]) -> None:
+        for op in ("all_reduce", "all_gather", "reduce_scatter"):
+            for size in sizes:
+                count = size // 4 // self.n * self.n  # float32, divisible into n equal shards
+                if count == 0:
+                    continue
+                results = self._step(f"bandwidth {op} {_fmt_bytes(size)}", lambda: self._time(op, count))
+                if self.rank != 0:
+                    continue
+                errors = {r: res["error"] for r, res in enumerate(results) if "error" in res}
+                if errors:  # e.g. out of memory at the largest sizes; every rank goes on, so they stay in step
+                    self.report["checks"].append({"name": f"bandwidth {op} {_fmt_bytes(size)}", "ok": False,
+                                                  "ranks": sorted(errors), "error": "; ".join(
+                                                      f"rank {r} raised {e}" for r, e in errors.items())})
+                    continue
+                seconds = max(res["seconds"] for res in results)  # the collective is as slow as its slowest rank
+                algbw = count * 4 / seconds / 1e9
+                self.report["bandwidth"].append({"op": op, "bytes": count * 4, "time_us": seconds * 1e6,
+                                                 "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(op, self.n)})
+
+    def _time(self, op: str, count: int) -> dict:
+        shard = count // self.n
+        full, part = torch.ones(count, device=self.device), torch.ones(shard, device=self.device)
+        run = {"all_reduce": partial(dist.all_reduce, full), "all_gather": partial(_all_gather, full, part),
+               "reduce_scatter": partial(_reduce_scatter, part, full)}[op]
+        times = []
+        for i in range(3 + self.args.iters):
+            self.sync()  # NCCL calls return before the GPU is done: time from idle to idle
+            start = time.perf_counter()
+            run()
+            self.sync()
+            if i >= 3:  # the first runs set up connections and buffers
+                times.append(time.perf_counter() - start)
+        return {"seconds": statistics.median(times)}
+
+    # -- the end -------------------------------------------------------------------------------------------------
+
+    def _finish(self) -> int:
+        """Rank 0 reports and publishes the exit status; the others wait for it, so none exits first and has
+        torchrun kill rank 0 mid-report."""
+        if self.rank != 0:
+            if not self._wait_for(["doctor/exit"], self.args.deadline_s):
+                return 1  # rank 0 is gone, so it cannot have reported success
+            return int(self.store.get("doctor/exit"))
+        code = 0 if all(c["ok"] for c in self.report["checks"]) else 1
+        self._emit(code)
+        self.store.set("doctor/exit", str(code))
+        return code
+
+    def _emit(self, code: int) -> None:
+        self.report["ok"] = code == 0
+        if code:
+            self.report["hints"] += _hints(self.report)
+        render_checks(self.report, self.out)
+        render_bandwidth(self.report, self.out)
+        render_verdict(self.report, self.out)
+        if self.args.json:
+            print(json.dumps(self.report), flush=True)
+
+
+@contextmanager
+def _watchdog(seconds: float, on_timeout: Callable[[], None]):
+    """Calls on_timeout from a timer thread unless the block finishes within `seconds`."""
+    timer = threading.Timer(seconds, on_timeout)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _exit(code: int) -> None:
+    # os._exit: a thread blocked inside a collective would keep a normal exit (and NCCL's teardown) waiting.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# -- text report (also used by --try-fixes to show the unchanged run) --------------------------------------------
+
+def render_environment(env: dict, out) -> None:
+    ranks = env["ranks"]
+    print("== environment ==", file=out)
+    print(f"torch {env['torch']} | CUDA {env['cuda'] or '-'} | NCCL {env['nccl'] or '-'} | Python {env['python']}"
+          f" | backend {env['backend']} | {env['world_size']} rank(s) on "
+          f"{len({f['host'] for f in ranks})} host(s)", file=out)
+    for f in ranks:
+        gpu = f.get("gpu")
+        device = (f"{f['device']} {gpu['name']}, {gpu['memory_gib']} GiB, sm {gpu['capability']}, "
+                  f"bf16 {'yes' if gpu['bf16'] else 'NO'}") if gpu else f["device"]
+        print(f"  rank {f['rank']}: {f['host']} pid {f['pid']}, {device}", file=out)
+    for host, f in _per_host(ranks).items():
+        shm = (f"{_fmt_bytes(f['shm_bytes'])} ({_fmt_bytes(f['shm_free_bytes'])} free)"
+               if f["shm_bytes"] is not None else "missing")
+        print(f"  host {host}: /dev/shm {shm}, memory {_fmt_bytes(f['memory_bytes'])} "
+              f"({_fmt_bytes(f['memory_available_bytes'])} available), interfaces {', '.join(f['interfaces'])}",
+              file=out)
+    variables = ranks[0]["variables"]
+    print("variables (rank 0):" + ("" if variables else " none of NCCL_*, TORCH_*, GLOO_*, CUDA_VISIBLE_DEVICES"),
+          file=out)
+    for k, v in variables.items():
+        print(f"  {k}={v}" + (f"  # {KNOWN_VARIABLES[k]}" if k in KNOWN_VARIABLES else ""), file=out)
+    if env["topology"]:
+        print("topology (nvidia-smi topo -m on rank 0's host):", file=out)
+        print("\n".join("  " + line for line in env["topology"].splitlines()), file=out)
+    for w in env["warnings"]:
+        print(f"WARNING: {w}", file=out)
+    out.flush()
+
+
+def render_checks(report: dict, out) -> None:
+    sizes = " and ".join(map(str, report.get("check_elements", [])))  # none when the group never formed
+    what = f"{sizes} float32 per rank; " if sizes else ""
+    print(f"== checks ({what}deadline {report['deadline_s']:g} s per step) ==", file=out)
+    for c in report["checks"]:
+        status = "SKIP" if c.get("skipped") else "PASS" if c["ok"] else "TIMEOUT" if c.get("timed_out") else "FAIL"
+        print(f"  {c['name']:<16} {status:<8} {c.get('skipped') or c.get('error') or ''}".rstrip(), file=out)
+
+
+def render_bandwidth(report: dict, out) -> None:
+    rows = report["bandwidth"]
+    if not rows:
+        if not all(c["ok"] for c in report["checks"]):
+            print("== bandwidth: not measured, a check failed ==", file=out)
+        return
+    print("== bandwidth (float32, median time; busbw as nccl-tests) ==", file=out)
+    print(f"  {'size':>9}  {'op':<15} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}", file=out)
+    for r in rows:
+        print(f"  {_fmt_bytes(r['bytes']):>9}  {r['op']:<15} {r['time_us']:>10.1f} {r['algbw_gbps']:>12.2f} "
+              f"{r['busbw_gbps']:>12.2f}", file=out)
+
+
+def render_verdict(report: dict, out) -> None:
+    print(f"== result: {'PASS' if report['ok'] else 'FAIL'} ==", file=out)
+    suspects = sorted({r for c in report["checks"] for r in c.get("suspects", [])})
+    ranks = {f["rank"]: f for f in report["environment"].get("ranks", [])}
+    if suspects:
+        print("suspect rank(s): " + "; ".join(
+            f"{r} ({ranks[r]['host']} pid {ranks[r]['pid']}, {ranks[r]['device']})" if r in ranks else str(r)
+            for r in suspects), file=out)
+    if report["hints"]:
+        print("likely causes and settings to try, one at a time:", file=out)
+        print("\n".join(f"  {h}" for h in report["hints"]), file=out)
+    out.flush()
+
+
+# -- --try-fixes -------------------------------------------------------------------------------------------------
+
+def _candidates(nccl: bool) -> list[tuple[str, str]]:
+    interfaces = [name for _, name in socket.if_nameindex()]
+    if not nccl:
+        candidates = [("GLOO_SOCKET_IFNAME", i) for i in interfaces]
+    else:  # cheapest first, so the first that passes is the one to keep: disabling P2P costs the most bandwidth
+        candidates = [("NCCL_NVLS_ENABLE", "0"), ("NCCL_SHM_DISABLE", "1"), ("NCCL_IB_DISABLE", "1"),
+                      *[("NCCL_SOCKET_IFNAME", i) for i in interfaces], ("NCCL_P2P_DISABLE", "1")]
+    return [(k, v) for k, v in candidates if os.environ.get(k) != v]  # a setting in force already failed
+
+
+def try_fixes(args: DoctorArgs) -> int:
+    """Run the doctor as fresh local groups: unchanged, then with each candidate setting until one passes."""
+    if "RANK" in os.environ:
+        raise SystemExit("--try-fixes starts its own groups: run it as a plain process, not under torchrun")
+    nproc = args.nproc or torch.cuda.device_count() or 2
+    flags = [f"--deadline-s={args.deadline_s}", f"--iters={args.iters}", f"--sizes={args.sizes}"]
+    # The children import this package as we did, installed or not.
+    package_root = str(Path(__file__).resolve().parents[1])
+    pythonpath = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    out = sys.stderr if args.json else sys.stdout
+
+    def attempt(setting: dict[str, str]) -> tuple[Optional[dict], str]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={distributed._free_port()}", "-m", "fsdp_trainer.doctor", "--json", *flags]
+        env = os.environ | {"PYTHONPATH": pythonpath} | setting
+        # Its own session, so that a group that outlives every deadline can be killed whole, workers included.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=300 + 10 * args.deadline_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        try:
+            return json.loads(stdout.strip().splitlines()[-1]), ""
+        except (IndexError, json.JSONDecodeError):  # it crashed: show its last error rather than torchrun's summary
+            lines = [line for line in stderr.splitlines() if "Error" in line] or stderr.splitlines() or ["(none)"]
+            return None, "no report; its last error: " + lines[-1].strip()
+
+    def summary(report: Optional[dict], why: str) -> str:
+        if report is None:
+            return f"FAIL  {why}"
+        failed = [c["name"] + (" (timeout)" if c.get("timed_out") else "") for c in report["checks"] if not c["ok"]]
+        return "PASS" if report["ok"] else "FAIL  " + ", ".join(failed)
+
+    print(f"== try-fixes: the unchanged run, {nproc} rank(s) on this node ==", file=out)
+    baseline, why = attempt({})
+    if baseline is not None:  # in full: its failures say where to look if no setting helps
+        if baseline["environment"].get("ranks"):
+            render_environment(baseline["environment"], out)
+        render_checks(baseline, out)
+        render_bandwidth(baseline, out)
+    result = {"ok": bool(baseline and baseline["ok"]), "baseline": baseline, "attempts": [], "fix": None}
+    print("== try-fixes: one setting at a time ==", file=out)
+    print(f"  {'(unchanged)':<28} {summary(baseline, why)}", file=out)
+    if not result["ok"]:
+        for name, value in _candidates(nccl=torch.cuda.is_available()):  # as distributed.init() decides
+            report, why = attempt({name: value})
+            passed = bool(report and report["ok"])
+            result["attempts"].append({"setting": f"{name}={value}", "ok": passed, "report": report})
+            print(f"  {name + '=' + value:<28} {summary(report, why)}", file=out, flush=True)
+            if passed:
+                result["fix"] = f"{name}={value}"
+                break
+        print(f"fix: export {result['fix']}" if result["fix"] else
+              "no single setting fixed it; read the unchanged run's report above and the hints it lists", file=out)
+    if args.json:
+        print(json.dumps(result), flush=True)
+    return 0 if result["ok"] else 1
+
+
+def _parse_fault(spec: str) -> Optional[tuple[str, int]]:
+    if not spec:
+        return None
+    kind, _, target = spec.partition(":")
+    if kind not in ("hang", "wrong") or not target.startswith("rank=") or not target[5:].isdigit():
+        raise SystemExit(f"{FAULT_VAR}={spec!r}: expected hang:rank=N or wrong:rank=N")
+    return kind, int(target[5:])
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = tyro.cli(DoctorArgs, args=argv, prog="python -m fsdp_trainer.doctor", description=__doc__)
+    if args.try_fixes:
+        sys.exit(try_fixes(args))
+    code = Doctor(args, _parse_fault(os.environ.get(FAULT_VAR, ""))).run()
+    distributed.shutdown()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""`--profile.steps a:b`: a torch.profiler trace of those steps, an optional memory snapshot, and a breakdown of
+where the GPU time went (matmuls, attention, communication and how much of it was exposed, optimizer, idle).
+
+The trace opens in Perfetto (ui.perfetto.dev) or TensorBoard; the snapshot in pytorch.org/memory_viz.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from fsdp_trainer.distributed import logger
+
+# GPU kernel name fragments per category; the first category that matches wins.
+CATEGORIES = {
+    "communication": ("nccl", "allgather", "reducescatter", "allreduce"),
+    "attention": ("flash", "fmha", "cudnn", "attention", "sdpa"),
+    "matmul": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "wgmma"),
+    "optimizer": ("adam", "multi_tensor", "foreach"),
+}
+
+
+def parse_steps(spec: str) -> tuple[int, int]:
+    """'a:b' -> (a, b), the first and last step to record (1-based, inclusive)."""
+    try:
+        first, last = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"profile.steps={spec!r}: expected 'a:b', e.g. 10:12") from None
+    if not 1 <= first <= last:
+        raise ValueError(f"profile.steps={spec!r}: need 1 <= a <= b")
+    return first, last
+
+
+def category(kernel_name: str) -> str:
+    name = kernel_name.lower()
+    return next((cat for cat, keys in CATEGORIES.items() if any(k in name for k in keys)), "other")
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _subtract(spans: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Total length of `spans` (disjoint, sorted) not covered by `cover` (disjoint, sorted)."""
+    exposed, j = 0.0, 0
+    for start, end in spans:
+        cursor = start
+        while j < len(cover) and cover[j][1] <= cursor:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < end:
+            if cover[k][0] > cursor:
+                exposed += cover[k][0] - cursor
+            cursor = max(cursor, cover[k][1])
+            k += 1
+        exposed += max(0.0, end - cursor)
+    return exposed
+
+
+def breakdown(trace: dict) -> dict[str, float]:
+    """Milliseconds of GPU time per category over the trace's kernels, plus `exposed_communication`
+    (communication running while no compute kernel runs) and `idle` (no kernel at all)."""
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    if not kernels:
+        return {}
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for event in kernels:
+        spans.setdefault(category(event["name"]), []).append((event["ts"], event["ts"] + event["dur"]))
+    result = {cat: _length(_union(s)) / 1e3 for cat, s in spans.items()}
+    compute = _union([iv for cat, s in spans.items() if cat != "communication" for iv in s])
+    comm = _union(spans.get("communication", []))
+    result["exposed_communication"] = _subtract(comm, compute) / 1e3
+    busy = _union([iv for s in spans.values() for iv in s])
+    result["wall"] = (busy[-1][1] - busy[0][0]) / 1e3
+    result["idle"] = result["wall"] - _length(busy) / 1e3
+    return result
+
+
+class StepProfiler:
+    """Call `before(step)` and `after(step)` around each training step; records steps first..last."""
+
+    def __init__(self, spec: Optional[str], memory_snapshot: bool, output_dir: Path, rank: int,
+                 device: torch.device):
+        self.range = parse_steps(spec) if spec else None
+        self.memory_snapshot = memory_snapshot and device.type == "cuda"
+        self.dir, self.rank, self.device = output_dir / "profile", rank, device
+        self.profiler = None
+
+    def before(self, step: int) -> None:
+        if self.range is None or step != self.range[0]:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            if self.memory_snapshot:
+                torch.cuda.memory._record_memory_history(max_entries=200_000)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.profiler.start()
+        self.started = time.perf_counter()
+
+    def after(self, step: int) -> None:
+        if self.profiler is None or step != self.range[1]:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.profiler.stop()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        first, last = self.range
+        path = self.dir / f"trace_rank{self.rank}_steps{first}-{last}.json"
+        self.profiler.export_chrome_trace(str(path))
+        if self.memory_snapshot:
+            torch.cuda.memory._dump_snapshot(str(self.dir / f"memory_rank{self.rank}_steps{first}-{last}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        self.profiler = None
+        parts = breakdown(json.loads(path.read_text()))
+        steps = last - first + 1
+        summary = " | ".join(f"{k} {v / steps:.1f} ms" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+        logger.info(f"profile of steps {first}-{last} written to {path}" +
+                    (f"; per step: {summary}" if summary else ""))

@@ -1,0 +1,120 @@
+"""The doctor as users run it: real gloo groups under torchrun, healthy and with injected faults.
+
+Every run is a subprocess with its own timeout, so a doctor that hangs fails its test instead of the suite.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fsdp_trainer import doctor
+from fsdp_trainer.doctor import FAULT_VAR, DoctorArgs, bus_factor, parse_sizes
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv_ring"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_doctor(*args: str, nproc: int = 0, fault: str = "", timeout: float = 60):
+    """(completed process, seconds) of `python -m fsdp_trainer.doctor`, under torchrun when nproc > 0."""
+    launcher = [sys.executable]
+    if nproc:
+        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}"]
+    env = {k: v for k, v in os.environ.items() if k != FAULT_VAR} | {"PYTHONPATH": str(ROOT)}
+    if fault:
+        env[FAULT_VAR] = fault
+    start = time.monotonic()
+    proc = subprocess.run([*launcher, "-m", "fsdp_trainer.doctor", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+def test_sizes_and_bus_bandwidth_factors():
+    assert parse_sizes("1K..1M") == [1024, 4096, 16384, 65536, 262144, 1048576]
+    assert parse_sizes("64KiB") == [1024, 4096, 16384, 65536]
+    assert parse_sizes("0") == []
+    # nccl-tests: all_reduce moves 2(n-1)/n of the buffer per rank, all_gather and reduce_scatter (n-1)/n.
+    assert bus_factor("all_reduce", 8) == 2 * 7 / 8
+    assert bus_factor("all_gather", 4) == bus_factor("reduce_scatter", 4) == 3 / 4
+
+
+def test_single_process():
+    proc, _ = run_doctor()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for section in ("== environment ==", "== checks", "== bandwidth", "== result: PASS =="):
+        assert section in proc.stdout
+    assert "send_recv_ring   SKIP" in proc.stdout  # a ring needs two ranks; skipping is not failing
+
+
+@pytest.mark.slow
+def test_two_ranks_healthy_text_report():
+    proc, _ = run_doctor("--sizes", "1M", nproc=2)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 rank(s) on 1 host(s)" in proc.stdout
+    for name in CHECKS:
+        assert f"  {name:<16} PASS" in proc.stdout
+    assert "1 MiB  reduce_scatter" in proc.stdout and "== result: PASS ==" in proc.stdout
+
+
+@pytest.mark.slow
+def test_four_ranks_healthy_json():
+    proc, _ = run_doctor("--json", "--sizes", "1M", "--iters", "5", nproc=4)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)  # stdout holds the JSON object only; the text report went to stderr
+    assert report["ok"] and "== checks" in proc.stderr
+    assert report["environment"]["world_size"] == 4 and len(report["environment"]["ranks"]) == 4
+    assert [c["name"] for c in report["checks"]] == CHECKS and all(c["ok"] for c in report["checks"])
+    rows = report["bandwidth"]
+    assert {(r["op"], r["bytes"]) for r in rows} == {(op, size) for op in ("all_reduce", "all_gather", "reduce_scatter")
+                                                     for size in parse_sizes("1M")}
+    assert all(r["busbw_gbps"] > 0 and r["time_us"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_wrong_value_names_the_rank_and_the_operation():
+    proc, _ = run_doctor("--json", "--sizes", "1M", nproc=2, fault="wrong:rank=1")
+    assert proc.returncode != 0
+    checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
+    assert not checks["all_reduce"]["ok"] and not checks["reduce_scatter"]["ok"]
+    # all_gather and the ring show whose data was wrong; broadcast from rank 0 does not involve rank 1's data.
+    assert checks["all_gather"]["suspects"] == [1] and checks["send_recv_ring"]["suspects"] == [1]
+    assert checks["broadcast"]["ok"]
+    assert "all_gather       FAIL" in proc.stderr and "the bad data came from rank(s) 1" in proc.stderr
+    assert "suspect rank(s): 1 " in proc.stderr
+    assert "bandwidth: not measured" in proc.stderr
+
+
+@pytest.mark.slow
+def test_hang_is_reported_within_the_deadline():
+    deadline = 5
+    proc, seconds = run_doctor("--json", "--deadline-s", str(deadline), nproc=2, fault="hang:rank=1")
+    assert proc.returncode != 0
+    assert seconds < deadline + 20, f"took {seconds:.1f} s"  # start-up of two ranks plus the deadline
+    failed = json.loads(proc.stdout)["checks"][-1]
+    assert failed["name"] == "all_reduce" and failed["timed_out"] and failed["ranks"] == [1]
+    assert "all_reduce       TIMEOUT" in proc.stderr
+    assert "rank 1" in failed["error"] and "never arrived" in failed["error"]
+
+
+@pytest.mark.slow
+def test_try_fixes_finds_the_setting_that_passes(monkeypatch, capsys):
+    # Stand-in for an NCCL setting: the one "fix" on offer clears the injected fault, so it must be the one found.
+    monkeypatch.setenv(FAULT_VAR, "wrong:rank=1")
+    monkeypatch.setattr(doctor, "_candidates", lambda nccl: [(FAULT_VAR, "")])
+    code = doctor.try_fixes(DoctorArgs(json=True, try_fixes=True, nproc=2, sizes="0", deadline_s=30))
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert code == 1 and not result["ok"] and not result["baseline"]["ok"]  # unchanged, it still fails
+    assert result["fix"] == f"{FAULT_VAR}=" and result["attempts"][0]["ok"]
+    assert "(unchanged)" in err and f"fix: export {FAULT_VAR}=" in err
