@@ -1,0 +1,754 @@
+"""Memory planner: know before launching whether a run fits on its GPUs, and what to change if it does not.
+
+    # the same flags as training, plus the GPUs to plan for:
+    python -m fsdp_trainer.plan --config configs/llama3_8b.toml --gpus 8 --gpu-memory 80GiB
+    python -m fsdp_trainer.plan --config configs/llama3_8b.toml --gpus 8 --gpu-memory 47.4GiB --ac.mode full
+    python -m fsdp_trainer.plan --config configs/llama3_8b.toml --gpus 16 --gpu-memory 80GB --json
+
+Exit status: 0 fits, 1 does not fit (the output lists changes that would), 2 bad arguments. Without --gpus or
+--gpu-memory the planner uses this machine's GPUs, or assumes 8 x 80 GiB (and says so) where it has none.
+
+From the trainer, before anything is allocated:
+
+    plan = check_fits(cfg, world_size, torch.cuda.get_device_properties(device).total_memory)
+    print(plan.summary_line())            # rank 0; if not plan.fits: stop unless cfg.memory.ignore_plan
+    ...after a few steps: plan.predicted_peak_bytes vs torch.cuda.max_memory_allocated()
+
+The model of memory, per GPU, in the steady state (step 2 on, once AdamW's state exists):
+  - Sharded float32 parameters, gradients and AdamW's two float32 moments, each divided by dp_shard (HSDP
+    replicates them over dp_replicate). FSDP2 pads each parameter's first dimension to a multiple of dp_shard.
+  - Unsharded param_dtype parameters of the FSDP groups in flight (all-gather outputs), their param_dtype
+    gradients and the reduce_dtype reduce-scatter input; groups that reshard_after_forward keeps gathered.
+  - Activations autograd saves per micro-batch, by AC mode (`block_saved_bytes` lists the tensors), plus the
+    logits and the cross-entropy's float32 buffers, which dominate at long sequences and large vocabularies.
+  - The peak is the largest of four moments of a step, each summed from what is alive then (`_moments`):
+    loss backward, output-projection backward, last block's backward, end of backward. The fused AdamW step
+    updates in place and stays below "end of backward".
+  - Then margins the allocator does not see or cannot avoid: fragmentation, NCCL/cuBLAS workspaces and the CUDA
+    context. Every constant below is an assumption, stated where it is defined.
+The allocator peak was checked against torch.cuda.max_memory_allocated() on one and two H200s (torch 2.11, cuDNN
+attention, fused RMSNorm) for AC none/op/selective/full, grad accumulation, deferred sync and reshard never, tied and
+untied: within 0.4% each (tests/test_plan.py keeps those numbers). Not checked on GPUs: CPU offload, HSDP, more than two
+ranks, float16, torch.compile (planned as eager: Inductor usually saves less, so the plan is an upper bound).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from fsdp_trainer.config import Config, ConfigError, mesh_shape, parse_args, validate
+from fsdp_trainer.metrics import GiB
+from fsdp_trainer.models.llama import ModelArgs, build, model_args_from_config
+
+# -- assumptions ---------------------------------------------------------------------------------------------------
+GPUS_PER_NODE = 8
+"""GPUs per node, for host RAM under CPU offload and for which collectives cross nodes (fewer if the run has fewer)."""
+DEFAULT_GPUS, DEFAULT_GPU_MEMORY = 8, 80 * GiB
+"""What to plan for on a machine without GPUs when --gpus / --gpu-memory are not given."""
+CUDA_CONTEXT_BYTES = 1 * GiB
+"""CUDA context and PyTorch's lazily loaded kernels, outside the allocator: 0.5-1 GiB per process on H100-class GPUs."""
+WORKSPACE_BYTES = 3 * GiB // 4
+"""NCCL communicator buffers (outside the allocator; they grow with peers) and cuBLAS workspaces. On H200s with torch
+2.11, 1.29 GiB was used outside the allocator with one rank and 1.57 GiB with two, context included."""
+FRAGMENTATION = 0.05
+"""What the caching allocator needs beyond its allocated peak when memory is tight (it frees cached blocks and
+retries before failing). Seen on an H200: a 41.5 GiB allocated peak ran under a 43 GiB cap and failed under 42;
+57.7 ran under 58.5; with expandable_segments 41.5 ran under 42. Without pressure it reserves 15-30% more,
+harmlessly."""
+
+# The throughput model only ranks suggestions by their rough cost; these set the compute/communication balance.
+ACHIEVED_FLOPS = 400e12
+"""bf16 FLOP/s a training step sustains on an H100 (~40% MFU of 989 TFLOP/s)."""
+INTRA_NODE_BUS_BW = 350e9
+"""NCCL bus bandwidth among the GPUs of one node over NVLink (DESIGN.md: 340-353 GB/s all-reduce on 4 x H200)."""
+INTER_NODE_BUS_BW = 40e9
+"""Per GPU across nodes: 400 Gb/s InfiniBand per GPU at ~80%."""
+PCIE_BW = 25e9
+"""Host <-> GPU copies of pinned memory (PCIe 5 x16 achieved), for CPU offload."""
+HOST_ADAMW_BW = 10e9
+"""Bytes/s one process's CPU AdamW (foreach) streams through host memory under CPU offload."""
+OP_AC_RECOMPUTE = 0.05
+"""Per-op AC recomputes only elementwise work (norms, RoPE, SiLU, products): ~5% of step time, no matmuls."""
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# -- what the model is made of ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Group:
+    """One `fully_shard` unit: parameters all-gathered and reduce-scattered together."""
+    name: str
+    role: str  # embedding | block | output | root
+    shapes: tuple[tuple[int, ...], ...]
+
+    def shard_numel(self, shards: int) -> int:
+        """Elements one rank holds: FSDP2 splits each parameter's dim 0 into `shards` padded chunks."""
+        return sum(math.ceil(s[0] / shards) * math.prod(s[1:]) for s in self.shapes)
+
+    def gathered_numel(self, shards: int) -> int:
+        """Elements of the all-gather output (the padded full group)."""
+        return self.shard_numel(shards) * shards
+
+
+def fsdp_groups(args: ModelArgs) -> tuple[Group, ...]:
+    """The FSDP groups `train.build_model` creates, in forward order, read off the model built on the meta device
+    (so the shapes come from the model itself): untied, [embedding], each block, [final norm + output];
+    tied, the root (the shared embedding, which runs first, and the final norm), then each block."""
+    return _groups(dataclasses.astuple(args))
+
+
+@functools.lru_cache(maxsize=16)
+def _groups(fields: tuple) -> tuple[Group, ...]:
+    model = build(ModelArgs(*fields), device="meta")
+    by_group: dict[str, list[tuple[int, ...]]] = {}
+    for name, param in model.named_parameters():  # a tied weight is listed once
+        parts = name.split(".")
+        if parts[0] == "layers":
+            key = f"block {parts[1]}"
+        elif model.args.tie_embeddings:
+            key = "root"
+        else:
+            key = "embedding" if parts[0] == "tok_embeddings" else "output"
+        by_group.setdefault(key, []).append(tuple(param.shape))
+    role = {"embedding": "embedding", "output": "output", "root": "root"}
+    return tuple(Group(key, role.get(key, "block"), tuple(shapes)) for key, shapes in by_group.items())
+
+
+def kept_after_forward(groups: Sequence[Group], policy: str) -> list[Group]:
+    """Groups whose gathered parameters stay from forward through their backward. Mirrors
+    `parallelize.apply_fsdp`: default keeps the non-root group that runs last in forward (its backward comes
+    first), never keeps all, always none; FSDP2 itself never reshards the root after forward."""
+    last = [g for g in groups if g.role != "root"][-1]
+    return [g for g in groups if g.role == "root" or policy == "never" or (policy == "default" and g is last)]
+
+
+# -- activations -----------------------------------------------------------------------------------------------------
+def rms_norm_saved_bytes(tokens: int, dim: int, pbytes: int, fused: bool) -> int:
+    """What one RMSNorm saves for backward, its output excluded (the matmul that reads it saves that).
+    Fused kernel (CUDA, `_fused_rms_norm`): the input in param_dtype and the float32 1/rms per token.
+    Composite (CPU): the input upcast to float32 (the input itself when already float32), the float32 normalized
+    input that the weight multiplies, and 1/rms."""
+    if fused:
+        return pbytes * tokens * dim + 4 * tokens
+    return 2 * 4 * tokens * dim + 4 * tokens
+
+
+def block_saved_bytes(args: ModelArgs, tokens: int, pbytes: int, fused_norm: bool = True) -> dict[str, int]:
+    """Tensors one TransformerBlock saves for backward without AC, for `tokens` = micro_batch x seq_len.
+
+    Not saved: RoPE's float32 intermediates (its products save only the cos/sin tables, slices of a buffer that
+    needs no gradient; the rotated q and k are cast back to param_dtype and saved by SDPA), residual sums' operands
+    (add saves nothing), and views (q/k/v reshapes, the attention output's transpose: flash and cuDNN attention
+    write it in [batch, seq, heads, head_dim] order, so the wo input is the same storage). SDPA is assumed to be a
+    flash-style kernel with native GQA (k and v stay n_kv_heads wide; cuDNN on H200s with torch 2.11); the math
+    fallback would also save the seq x seq scores."""
+    d, h, kv = args.dim, args.ffn_hidden_dim, args.n_kv_heads * args.head_dim
+    norm = rms_norm_saved_bytes(tokens, d, pbytes, fused_norm)
+    return {
+        "attention_norm: input, 1/rms": norm,
+        "wq/wk/wv input (attention_norm output)": pbytes * tokens * d,
+        "q, k after RoPE (SDPA inputs)": pbytes * tokens * (d + kv),
+        "v (SDPA input, the wv output)": pbytes * tokens * kv,
+        "attention output (also the wo input)": pbytes * tokens * d,
+        "attention logsumexp, float32": 4 * tokens * args.n_heads,
+        "ffn_norm: input, 1/rms": norm,
+        "w1/w3 input (ffn_norm output)": pbytes * tokens * d,
+        "w1 output (SiLU input)": pbytes * tokens * h,
+        "w3 output": pbytes * tokens * h,
+        "SiLU output": pbytes * tokens * h,
+        "SiLU x w3 (w2 input)": pbytes * tokens * h,
+    }
+
+
+def op_ac_saved_bytes(args: ModelArgs, tokens: int, pbytes: int) -> dict[str, int]:
+    """Per-op AC (`parallelize._op_policy`): the block's input (the checkpoint's argument) and the output of every
+    matmul and of SDPA are kept, whether or not backward reads them; norms, RoPE and SiLU are recomputed."""
+    d, h, kv = args.dim, args.ffn_hidden_dim, args.n_kv_heads * args.head_dim
+    return {
+        "block input": pbytes * tokens * d,
+        "wq, wk, wv outputs": pbytes * tokens * (d + 2 * kv),
+        "SDPA output, logsumexp (float32)": pbytes * tokens * d + 4 * tokens * args.n_heads,
+        "wo output": pbytes * tokens * d,
+        "w1, w3 outputs": 2 * pbytes * tokens * h,
+        "w2 output": pbytes * tokens * d,
+    }
+
+
+def block_bytes_by_mode(args: ModelArgs, tokens: int, pbytes: int, fused_norm: bool = True) -> dict[str, int]:
+    """Bytes one block keeps from its forward to its backward, for each way it can be run."""
+    return {"none": sum(block_saved_bytes(args, tokens, pbytes, fused_norm).values()),
+            "op": sum(op_ac_saved_bytes(args, tokens, pbytes).values()),
+            # a checkpointed block keeps only its input and recomputes everything in its backward
+            "checkpointed": pbytes * tokens * args.dim}
+
+
+def block_modes(n_layers: int, ac_mode: str, every: int) -> list[str]:
+    """How each block runs, as `parallelize.apply_ac` wraps them (selective: blocks every, 2*every, ...)."""
+    if ac_mode == "selective":
+        return ["checkpointed" if (i + 1) % every == 0 else "none" for i in range(n_layers)]
+    return [{"none": "none", "op": "op", "full": "checkpointed"}[ac_mode]] * n_layers
+
+
+def ids_labels_bytes(tokens: int) -> int:
+    """The token ids (saved by the embedding's backward) and the labels (by nll_loss's), int64 each."""
+    return 2 * 8 * tokens
+
+
+def head_saved_bytes(args: ModelArgs, tokens: int, pbytes: int, fused_norm: bool = True) -> int:
+    """Saved outside the blocks, logits excluded: token ids, labels, the final norm and its output (the output
+    projection's input)."""
+    return ids_labels_bytes(tokens) + rms_norm_saved_bytes(tokens, args.dim, pbytes, fused_norm) \
+        + pbytes * tokens * args.dim
+
+
+def saved_activation_bytes(args: ModelArgs, micro_batch: int, seq_len: int, pbytes: int, ac_mode: str = "none",
+                           ac_every: int = 2, fused_norm: bool = True) -> int:
+    """Everything autograd holds for backward after one micro-batch's forward and loss: the blocks', the head's
+    and cross_entropy's float32 log-softmax output (train.py computes the loss on logits.float())."""
+    tokens = micro_batch * seq_len
+    per_block = block_bytes_by_mode(args, tokens, pbytes, fused_norm)
+    blocks = sum(per_block[m] for m in block_modes(args.n_layers, ac_mode, ac_every))
+    return blocks + head_saved_bytes(args, tokens, pbytes, fused_norm) + 4 * tokens * args.vocab_size
+
+
+# -- one configuration on one GPU ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Setup:
+    """The facts of a run the arithmetic needs, resolved from Config and the GPU count."""
+    args: ModelArgs
+    groups: tuple[Group, ...]
+    gpus: int
+    gpus_per_node: int
+    replicate: int
+    shard: int
+    pbytes: int
+    rbytes: int
+    seq: int
+    micro_batch: int
+    accum: int
+    ac_mode: str
+    ac_every: int
+    reshard: str
+    offload: bool
+    defer: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq
+
+    def shard_numel(self, groups: Sequence[Group] | None = None) -> int:
+        return sum(g.shard_numel(self.shard) for g in (self.groups if groups is None else groups))
+
+    def gathered_numel(self, groups: Sequence[Group] | None = None) -> int:
+        return sum(g.gathered_numel(self.shard) for g in (self.groups if groups is None else groups))
+
+
+def _setup(cfg: Config, gpus: int, gpus_per_node: int) -> _Setup:
+    args = model_args_from_config(cfg.model)
+    replicate, shard = mesh_shape(cfg.parallel, gpus)
+    p = cfg.parallel
+    # 'auto' becomes bfloat16 on the GPU (float16 on pre-Ampere cards): 2 bytes either way.
+    pbytes = 2 if p.param_dtype == "auto" else DTYPE_BYTES[p.param_dtype]
+    return _Setup(args, fsdp_groups(args), gpus, gpus_per_node, replicate, shard, pbytes,
+                  DTYPE_BYTES[p.reduce_dtype], cfg.train.seq_len, cfg.train.micro_batch_size,
+                  cfg.train.grad_accum_steps, cfg.ac.mode, cfg.ac.every, p.reshard_after_forward, p.cpu_offload,
+                  p.defer_grad_sync and cfg.train.grad_accum_steps > 1)
+
+
+def _moments(s: _Setup) -> dict[str, dict[str, int]]:
+    """Allocator bytes alive at the four moments a step can peak at, by row (keys of ROW_LABELS)."""
+    blocks = [g for g in s.groups if g.role == "block"]
+    kept = kept_after_forward(s.groups, s.reshard)
+    first_back = next(g for g in reversed(s.groups) if g.role in ("output", "root"))  # holds the output projection
+    last_back = s.groups[0]  # holds the embedding: untied its own group, tied the root
+    tokens, vocab = s.tokens, s.args.vocab_size
+    on_gpu = 0 if s.offload else 1  # CPU offload moves the float32 shards and AdamW's state to host memory
+    shards = 4 * s.shard_numel() * on_gpu
+
+    def gathered(group: Group) -> int:
+        return s.pbytes * group.gathered_numel(s.shard)
+
+    def gathered_unless_kept(group: Group) -> int:
+        return 0 if group in kept else gathered(group)
+
+    def last_group_backward(group: Group) -> int:
+        """The embedding's group, last in backward, at the largest of its three steps: its backward (gathered
+        parameters, param_dtype gradients); its post-backward copy-in (parameters resharded first, gradients copied
+        into the reduce_dtype reduce-scatter input); the reduce-scatter (the input, and the output that becomes the
+        group's sharded gradient, counted here rather than in the gradients row). With one rank FSDP2 has freed the
+        param_dtype gradients by then; with more, the allocator keeps them until the reduce-scatter stream has read
+        them (both seen in allocator traces on H200s)."""
+        numel = group.gathered_numel(s.shard)
+        grads_in_reduce = s.pbytes * numel if s.shard > 1 else 0
+        return max(gathered(group) + s.pbytes * numel, (s.pbytes + s.rbytes) * numel,
+                   grads_in_reduce + s.rbytes * numel + 4 * group.shard_numel(s.shard))
+
+    modes = block_modes(s.args.n_layers, s.ac_mode, s.ac_every)
+    per_block = block_bytes_by_mode(s.args, tokens, s.pbytes)
+    block_acts = sum(per_block[m] for m in modes)
+    head = head_saved_bytes(s.args, tokens, s.pbytes)
+    # train_step's `logits` variable (param_dtype) lives until the next micro-batch replaces it.
+    held_logits = s.pbytes * tokens * vocab
+    # Sharded gradients of earlier micro-batches stay through later ones. With one micro-batch, zero_grad
+    # (set_to_none) has freed them, and backward allocates them group by group as activations are freed.
+    held_grads = shards if s.accum > 1 and not s.defer else 0
+    # With no_sync, FSDP2 accumulates every unsharded gradient in reduce_dtype until the last micro-batch.
+    deferred = s.rbytes * s.gathered_numel() if s.defer else 0
+    base = {"params": shards, "optimizer": 2 * shards, "kept": s.pbytes * s.gathered_numel(kept),
+            "deferred": deferred, "grads": held_grads}
+    tied = first_back.role == "root"
+    root_or_output_grads = s.pbytes * first_back.gathered_numel(s.shard)
+    # Tied: the root's param_dtype gradient (embedding + output projection) accumulates until backward ends.
+    root_grads = root_or_output_grads if tied else 0
+    # FSDP2 keeps one reduce-scatter input in flight: the output group's while the last block runs backward.
+    retained_reduce = root_grads or s.rbytes * first_back.gathered_numel(s.shard)
+    # FSDP2 reshards every group after its backward, so the kept output group is gone once the blocks' start.
+    resharded_output = 0 if tied or first_back not in kept else gathered(first_back)
+    prefetched = gathered_unless_kept(blocks[-2]) if len(blocks) > 1 else 0  # FSDP2 gathers one group ahead
+    recompute = per_block["none"] - per_block[modes[-1]]  # a checkpointed block's forward runs again in backward
+    # Activation gradients in flight in a block's backward: SwiGLU's three [tokens, hidden] gradients at its
+    # product's backward, plus the residual stream's gradient and its update, [tokens, dim] each.
+    work = s.pbytes * tokens * (3 * s.args.ffn_hidden_dim + 2 * s.args.dim)
+    return {
+        # cross_entropy's backward: log_softmax's float32 output, nll_loss's float32 gradient and log_softmax's
+        # float32 input gradient at once, next to the param_dtype logits.
+        "loss backward": {**base, "blocks": block_acts, "head": head,
+                          "logits": held_logits + 3 * 4 * tokens * vocab},
+        # output projection's backward: logits and their param_dtype gradient, the output group's weights and
+        # param_dtype gradients, the last block gathered ahead.
+        "output backward": {**base, "blocks": block_acts, "head": head, "logits": 2 * held_logits,
+                            "comm": (root_grads if tied else gathered_unless_kept(first_back) + root_or_output_grads)
+                            + gathered_unless_kept(blocks[-1])},
+        # last block's backward (every block's activations still held): its weights and gradients, the next block
+        # gathered ahead, the retained reduce-scatter input, the block's recomputed forward and gradients in flight.
+        "last block backward": {**base, "blocks": block_acts, "head": ids_labels_bytes(tokens),
+                                "logits": held_logits, "kept": base["kept"] - resharded_output,
+                                "grads": held_grads or (0 if tied else 4 * first_back.shard_numel(s.shard) * on_gpu),
+                                "comm": gathered_unless_kept(blocks[-1]) + s.pbytes * blocks[-1].gathered_numel(s.shard)
+                                + prefetched + retained_reduce,
+                                "work": recompute + work},
+        # end of backward: every other group's sharded gradient (none when deferred), the embedding's group
+        # reduced; activations are gone and every other group is resharded.
+        "end of backward": {**base, "kept": 0, "logits": held_logits,
+                            "grads": 0 if s.defer else shards - 4 * last_back.shard_numel(s.shard) * on_gpu,
+                            "comm": last_group_backward(last_back)},
+    }
+
+
+ROW_LABELS = {
+    "params": "parameters, float32 shards",
+    "grads": "gradients, float32 shards",
+    "optimizer": "AdamW exp_avg + exp_avg_sq, float32 shards",
+    "kept": "gathered params kept after forward",
+    "comm": "all-gather / reduce-scatter buffers in flight",
+    "deferred": "unsharded grads held for deferred sync",
+    "blocks": "activations saved by the blocks",
+    "head": "token ids, labels, final norm",
+    "logits": "logits + cross-entropy buffers",
+    "work": "backward working set (recompute, grads)",
+}
+
+
+def _recompute_fraction(s: _Setup) -> float:
+    """Extra compute of activation checkpointing, as a fraction of a step without it."""
+    if s.ac_mode == "op":
+        return OP_AC_RECOMPUTE
+    checkpointed = block_modes(s.args.n_layers, s.ac_mode, s.ac_every).count("checkpointed")
+    # A checkpointed block runs its forward twice; forward is a third of the block's training FLOPs.
+    block_matmul_params = s.args.num_matmul_params() - s.args.vocab_size * s.args.dim
+    block_forward = 2 * block_matmul_params + 4 * s.args.n_layers * s.args.dim * s.seq
+    return block_forward * checkpointed / s.args.n_layers / s.args.flops_per_token(s.seq)
+
+
+def _step_seconds(s: _Setup) -> float:
+    """Rough time of one optimizer step: FSDP overlaps collectives with compute, so the slower sets the pace;
+    CPU offload's copies and host AdamW are added in full."""
+    compute = s.accum * s.tokens * s.args.flops_per_token(s.seq) * (1 + _recompute_fraction(s)) / ACHIEVED_FLOPS
+    numel = s.gathered_numel()
+    resharded = numel - s.gathered_numel(kept_after_forward(s.groups, s.reshard))
+    reduces = 1 if s.defer else s.accum
+    # Each micro-batch gathers every group for forward and the resharded ones again for backward.
+    shard_bytes = s.accum * s.pbytes * (numel + resharded) + reduces * s.rbytes * numel
+    shard_bw = INTRA_NODE_BUS_BW if s.shard <= s.gpus_per_node else INTER_NODE_BUS_BW
+    comm = shard_bytes * (s.shard - 1) / s.shard / shard_bw
+    if s.replicate > 1:  # HSDP all-reduces the sharded gradients across replicas
+        replica_bw = INTER_NODE_BUS_BW if s.gpus > s.gpus_per_node else INTRA_NODE_BUS_BW
+        comm += reduces * 2 * s.rbytes * numel / s.shard * (s.replicate - 1) / s.replicate / replica_bw
+    offload = 0.0
+    if s.offload:
+        shard = s.shard_numel()
+        copies = 4 * shard * (s.accum * (numel + resharded) / numel + reduces)  # float32 shards in, gradients out
+        # AdamW reads parameter, gradient and both moments and writes back three of them: 28 bytes per element.
+        offload = copies / PCIE_BW + 28 * shard / HOST_ADAMW_BW
+    return max(compute, comm) + offload
+
+
+def _host_bytes_per_node(s: _Setup) -> int:
+    """Host RAM CPU offload needs per node: per GPU the float32 parameter and gradient shards, AdamW's two moments
+    and one parameter-sized temporary of the foreach AdamW that runs on the CPU."""
+    if not s.offload:
+        return 0
+    return 20 * s.shard_numel() * min(s.gpus_per_node, s.gpus)
+
+
+# -- the plan --------------------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    name: str
+    bytes: int
+    note: str = ""
+
+
+def _flag(path: str, value: Any) -> str:
+    """One command-line flag; booleans are tyro's --section.name / --section.no_name."""
+    if isinstance(value, bool):
+        section, name = path.split(".")
+        return f"--{section}.{'' if value else 'no_'}{name}"
+    return f"--{path} {value}"
+
+
+@dataclass
+class Suggestion:
+    change: dict[str, Any]
+    """Config fields to set (section.name -> value), as the flags `flags()` prints."""
+    gpus: int
+    """GPUs the change runs on (more than planned for: a hardware change)."""
+    total_bytes: int
+    """Predicted per-GPU total with the change, margins included."""
+    cost: float
+    """Rough change in time per token per GPU: 0.33 is a third slower."""
+    note: str = ""
+
+    def flags(self) -> str:
+        return " ".join(_flag(path, value) for path, value in self.change.items() if path != "gpus")
+
+    def describe(self) -> str:
+        where = f"on {self.gpus} GPUs " if self.change.get("gpus") else ""
+        cost = f"~{self.cost:+.0%} time per token" if abs(self.cost) >= 0.005 else "~same speed"
+        return (f"{where}{self.flags()}".strip() + f"  ->  {self.total_bytes / GiB:.1f} GiB, {cost}"
+                + (f"; {self.note}" if self.note else ""))
+
+
+@dataclass
+class Plan:
+    setup: str
+    """The run planned, in words."""
+    num_params: int
+    gpus: int
+    gpus_per_node: int
+    dp_replicate: int
+    dp_shard: int
+    capacity_bytes: int
+    capacity_source: str
+    rows: list[Row]
+    """Per-GPU bytes at the peak moment, margins last."""
+    peak_moment: str
+    moments: dict[str, int]
+    """Allocator bytes at each modeled moment."""
+    predicted_peak_bytes: int
+    """What torch.cuda.max_memory_allocated() should read after the first steps (no margins)."""
+    total_bytes: int
+    """predicted_peak_bytes plus fragmentation, workspaces and CUDA context: compared with capacity_bytes."""
+    host_bytes_per_node: int
+    step_seconds: float
+    """Rough model of one optimizer step, for comparing suggestions; not a benchmark."""
+    suggestions: list[Suggestion] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.capacity_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity_bytes - self.total_bytes
+
+    def summary_line(self) -> str:
+        verdict = (f"fits, {self.headroom_bytes / GiB:.1f} GiB headroom" if self.fits
+                   else f"DOES NOT FIT by {-self.headroom_bytes / GiB:.1f} GiB")
+        line = (f"memory plan: {self.num_params / 1e9:.2f}B params on {self.gpus} GPUs: predicted "
+                f"{self.total_bytes / GiB:.1f} GiB per GPU (peak at {self.peak_moment}) of "
+                f"{self.capacity_bytes / GiB:.1f} GiB: {verdict}")
+        if not self.fits and self.suggestions:
+            line += f"; try {self.suggestions[0].describe()}"
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "fits": self.fits, "headroom_bytes": self.headroom_bytes}
+
+    def render(self) -> str:
+        lines = [self.setup, f"per GPU, at the peak ({self.peak_moment}):"]
+        lines += [f"  {row.name:<46}{row.bytes / GiB:>8.2f} GiB  {row.note}".rstrip() for row in self.rows]
+        lines.append(f"  {'total':<46}{self.total_bytes / GiB:>8.2f} GiB  of {self.capacity_bytes / GiB:.2f} GiB "
+                     f"({self.capacity_source})")
+        others = ", ".join(f"{name} {size / GiB:.1f}" for name, size in self.moments.items()
+                           if name != self.peak_moment)
+        lines.append(f"  allocator peak {self.predicted_peak_bytes / GiB:.2f} GiB; other moments: {others} GiB")
+        if self.host_bytes_per_node:
+            lines.append(f"  CPU offload: {self.host_bytes_per_node / GiB:.1f} GiB host RAM per node "
+                         f"({min(self.gpus, self.gpus_per_node)} GPUs)")
+        lines.append(f"verdict: fits, {self.headroom_bytes / GiB:.2f} GiB headroom "
+                     f"({self.headroom_bytes / self.capacity_bytes:.0%})" if self.fits
+                     else f"verdict: DOES NOT FIT: {-self.headroom_bytes / GiB:.2f} GiB over")
+        if self.suggestions:
+            lines.append("options:" if self.fits
+                         else "changes that fit, cheapest first (time per token per GPU from a rough model):")
+            lines += [f"  {i}. {s.describe()}" for i, s in enumerate(self.suggestions, 1)]
+        elif not self.fits:
+            lines.append("no change the planner tries fits: use more GPUs or a smaller model or sequence")
+        lines += [f"note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_per_node: int) -> Plan:
+    s = _setup(cfg, gpus, gpus_per_node)
+    by_moment = _moments(s)
+    moments = {name: sum(parts.values()) for name, parts in by_moment.items()}
+    peak_moment = max(moments, key=moments.get)
+    parts = by_moment[peak_moment]
+    # Rows that are empty at the peak and say nothing about this run are left out.
+    rows = [Row(ROW_LABELS[key], parts.get(key, 0), note) for key, note in _row_notes(s, cfg).items()
+            if parts.get(key, 0) or note]
+    allocated = moments[peak_moment]
+    margins = [Row(f"allocator fragmentation ({FRAGMENTATION:.0%})", int(FRAGMENTATION * allocated),
+                   "reserved beyond allocated by the caching allocator"),
+               Row("NCCL + cuBLAS workspaces", WORKSPACE_BYTES, "estimate"),
+               Row("CUDA context", CUDA_CONTEXT_BYTES, "estimate, outside PyTorch's allocator")]
+    mesh = f"FSDP over {s.shard}" if s.replicate == 1 else f"HSDP {s.replicate} x {s.shard}"
+    setup = (f"model {cfg.model.name}: {s.args.num_params() / 1e9:.2f}B params ({s.args.num_params():,}) | "
+             f"{gpus} GPUs, {mesh} | seq {s.seq} x micro-batch {s.micro_batch}, grad accum {s.accum} | "
+             f"ac {s.ac_mode}{f' every {s.ac_every}' if s.ac_mode == 'selective' else ''} | "
+             f"{'bfloat16' if s.pbytes == 2 else 'float32'} params, {cfg.parallel.reduce_dtype} reduce | "
+             f"reshard {s.reshard}{' | cpu offload' if s.offload else ''}"
+             f"{' | deferred grad sync' if s.defer else ''}")
+    notes = ["torch.compile is planned as eager (Inductor usually saves less)"] if cfg.parallel.compile else []
+    return Plan(setup, s.args.num_params(), gpus, gpus_per_node, s.replicate, s.shard, capacity, capacity_source,
+                rows + margins, peak_moment, moments, allocated, allocated + sum(r.bytes for r in margins),
+                _host_bytes_per_node(s), _step_seconds(s), notes=notes)
+
+
+def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:
+    """Each row's note: its full size where that differs from the peak, and what it is made of."""
+    shards = 4 * s.shard_numel()
+    where = "in host memory (cpu offload)" if s.offload else ""
+    kept = kept_after_forward(s.groups, s.reshard)
+    modes = block_modes(s.args.n_layers, s.ac_mode, s.ac_every)
+    per_block = block_bytes_by_mode(s.args, s.tokens, s.pbytes)
+    block_note = ", ".join(f"{modes.count(m)} x {per_block[m] / GiB:.3f} GiB ({m})"
+                           for m in ("none", "op", "checkpointed") if m in modes)
+    dtype = "bfloat16" if s.pbytes == 2 else "float32"
+    return {
+        "params": where or f"{s.args.num_params() / 1e9:.2f}B / dp_shard {s.shard}",
+        "grads": where or (f"{shards / GiB:.2f} GiB once backward ends; zero_grad frees them each step"
+                           if s.accum == 1 else "kept across micro-batches"),
+        "optimizer": where or "2 x the parameter shards",
+        "kept": f"reshard_after_forward={s.reshard}: " + (", ".join(g.name for g in kept[:3]) or "none")
+        + (f" +{len(kept) - 3} more" if len(kept) > 3 else ""),
+        "comm": f"{dtype} gathers and grads, {cfg.parallel.reduce_dtype} reduce-scatter input",
+        "deferred": f"{s.rbytes * s.gathered_numel() / GiB:.2f} GiB, all groups" if s.defer else "",
+        "blocks": block_note,
+        "head": "",
+        "logits": f"[{s.tokens}, {s.args.vocab_size}] in {dtype} + 3 float32 at the loss backward",
+        "work": "",
+    }
+
+
+def plan(cfg: Config, gpus: int, gpu_memory_bytes: int, gpus_per_node: Optional[int] = None) -> Plan:
+    """Predict per-GPU memory of training `cfg` on `gpus` GPUs of `gpu_memory_bytes` each (memory.limit_gib, when
+    set and smaller, is the capacity); when it does not fit, list changes that do, cheapest first."""
+    validate(cfg, gpus, "cuda")
+    per_node = min(gpus_per_node or GPUS_PER_NODE, gpus)
+    capacity, source = gpu_memory_bytes, "GPU memory"
+    if cfg.memory.limit_gib is not None and cfg.memory.limit_gib * GiB < gpu_memory_bytes:
+        capacity, source = int(cfg.memory.limit_gib * GiB), "memory.limit_gib"
+    result = _estimate(cfg, gpus, capacity, source, per_node)
+    if not result.fits:
+        result.suggestions = _suggestions(cfg, result)
+    hsdp = _hsdp_option(cfg, result)
+    if hsdp:
+        result.suggestions.append(hsdp)
+    return result
+
+
+def check_fits(cfg: Config, world_size: int, gpu_memory_bytes: int) -> Plan:
+    """The plan for the job being started: `plan` with the node size torchrun reports (LOCAL_WORLD_SIZE)."""
+    return plan(cfg, world_size, gpu_memory_bytes, int(os.environ.get("LOCAL_WORLD_SIZE", GPUS_PER_NODE)))
+
+
+# -- what to change --------------------------------------------------------------------------------------------------
+def _knobs(cfg: Config) -> list[list[dict[str, Any]]]:
+    """Each knob's alternatives to the current setting (as config-path -> value), an empty change first."""
+    t, p = cfg.train, cfg.parallel
+    ac = [{"ac.mode": "op"}, {"ac.mode": "selective", "ac.every": 2}, {"ac.mode": "full"}]
+    micro = [{"train.micro_batch_size": m, "train.grad_accum_steps": t.grad_accum_steps * t.micro_batch_size // m}
+             for m in range(t.micro_batch_size - 1, 0, -1) if t.micro_batch_size % m == 0]
+    knobs = [
+        [c for c in ac if c["ac.mode"] != cfg.ac.mode or c.get("ac.every", cfg.ac.every) != cfg.ac.every],
+        micro,
+        [{"parallel.reshard_after_forward": "always"}] if p.reshard_after_forward != "always" else [],
+        [{"parallel.defer_grad_sync": False}] if p.defer_grad_sync else [],
+        [{"parallel.cpu_offload": True}] if not p.cpu_offload else [],
+        # HSDP (or DDP, dp_shard 1) replicates what FSDP over every GPU would shard
+        [{"parallel.dp_replicate": 1, "parallel.dp_shard": -1}] if p.dp_replicate > 1 else [],
+    ]
+    return [[{}] + options for options in knobs]
+
+
+def _apply(cfg: Config, change: dict[str, Any]) -> Config:
+    new = copy.deepcopy(cfg)
+    for path, value in change.items():
+        if path != "gpus":
+            section, name = path.split(".")
+            setattr(getattr(new, section), name, value)
+    return new
+
+
+def _replan(cfg: Config, base: Plan, change: dict[str, Any]) -> Plan:
+    gpus = change.get("gpus", base.gpus)
+    return _estimate(_apply(cfg, change), gpus, base.capacity_bytes, base.capacity_source,
+                     min(GPUS_PER_NODE, gpus) if "gpus" in change else base.gpus_per_node)
+
+
+def _cost(base: Plan, new: Plan, tokens_ratio: float = 1.0) -> float:
+    """Relative time per token per GPU; `tokens_ratio` = tokens per GPU per step, new over base."""
+    return new.step_seconds / tokens_ratio / base.step_seconds - 1
+
+
+_WHY = {"ac.mode": "recomputes activations in backward",
+        "train.micro_batch_size": "same global batch in more, smaller micro-batches",
+        "parallel.reshard_after_forward": "re-gathers the output layer in backward",
+        "parallel.defer_grad_sync": "reduce-scatters every micro-batch instead of holding unsharded grads",
+        "parallel.cpu_offload": "params, grads and AdamW state in host RAM: much slower",
+        "parallel.dp_replicate": "FSDP over all GPUs shards what HSDP replicates (more traffic across nodes)"}
+
+
+def _note(change: dict[str, Any], new: Plan) -> str:
+    host = [f"needs {new.host_bytes_per_node / GiB:.0f} GiB host RAM per node"] if new.host_bytes_per_node else []
+    return "; ".join([why for key, why in _WHY.items() if key in change] + host)
+
+
+def _suggestions(cfg: Config, base: Plan, limit: int = 5) -> list[Suggestion]:
+    """Every combination of the knobs, re-planned; the fitting ones that change nothing needlessly, cheapest first;
+    then the smallest GPU count the unchanged run fits on."""
+    fitting = []
+    for combo in itertools.product(*_knobs(cfg)):
+        change = {k: v for part in combo for k, v in part.items()}
+        if not change:
+            continue
+        new = _replan(cfg, base, change)
+        if new.fits:
+            fitting.append((change, new))
+    # A combination that contains a smaller fitting one changes something for nothing.
+    minimal = [(c, p) for c, p in fitting if not any(o.items() < c.items() for o, _ in fitting)]
+    found = [Suggestion(c, base.gpus, p.total_bytes, _cost(base, p), _note(c, p)) for c, p in minimal]
+    more = _more_gpus(cfg, base)
+    return sorted(found, key=lambda s: s.cost)[:limit] + ([more] if more else [])
+
+
+def _more_gpus(cfg: Config, base: Plan) -> Optional[Suggestion]:
+    """The smallest multiple of the GPU count (up to 16x) the unchanged run fits on. The global batch stays the same
+    where grad_accum_steps can shrink by the same factor."""
+    accum = cfg.train.grad_accum_steps
+    for factor in (2, 4, 8, 16):
+        change: dict[str, Any] = {"gpus": base.gpus * factor}
+        if cfg.parallel.dp_shard != -1:
+            change["parallel.dp_shard"] = -1
+        if accum % factor == 0:
+            change["train.grad_accum_steps"] = accum // factor
+        new = _replan(cfg, base, change)
+        if new.fits:
+            same_batch = accum % factor == 0
+            return Suggestion(change, new.gpus, new.total_bytes, _cost(base, new, 1 / factor if same_batch else 1.0),
+                              "" if same_batch else f"the global batch grows {factor}x")
+    return None
+
+
+def _hsdp_option(cfg: Config, result: Plan) -> Optional[Suggestion]:
+    """HSDP (shard within a node, replicate across nodes) for a multi-node FSDP run: more memory per GPU than
+    sharding over every GPU, but only one all-reduce of sharded gradients per step crosses nodes. Offered on top of
+    the run if it fits, else on top of its first same-hardware suggestion, and only where the result fits."""
+    nodes = result.gpus // result.gpus_per_node
+    if result.dp_replicate > 1 or nodes < 2 or result.gpus % result.gpus_per_node:
+        return None
+    on_top = {} if result.fits else next((s.change for s in result.suggestions if "gpus" not in s.change), None)
+    if on_top is None:
+        return None
+    change = {**on_top, "parallel.dp_replicate": nodes, "parallel.dp_shard": result.gpus_per_node}
+    new = _replan(cfg, result, change)
+    if not new.fits:
+        return None
+    return Suggestion(change, result.gpus, new.total_bytes, _cost(result, new),
+                      "HSDP: cuts inter-node traffic; uses more memory per GPU than FSDP over all GPUs")
+
+
+# -- command line ----------------------------------------------------------------------------------------------------
+_UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_memory(text: str) -> int:
+    """'47.4GiB' -> bytes. GiB/MiB are powers of 2, GB/MB powers of 10; a unit is required, since nvidia-smi (MiB)
+    and vendor sheets (GB) differ by 7% at this size."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
+        raise ConfigError(f"--gpu-memory {text!r}: expected a positive number with a unit, e.g. 80GiB, 47.4GiB or "
+                          "80GB (GiB = 2^30 bytes, GB = 10^9 bytes)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass
+class PlanArgs(Config):
+    """Predict per-GPU memory of a training run before launching it; every training flag applies."""
+
+    gpus: Optional[int] = None
+    """GPUs the run will use (None: this machine's GPUs, or 8 where it has none)."""
+    gpu_memory: Optional[str] = None
+    """Memory of one GPU with a unit, e.g. 80GiB, 47.4GiB, 80GB (None: this machine's GPU, or 80GiB)."""
+    json: bool = False
+    """Print the plan as JSON instead of a table."""
+
+
+def _hardware(args: PlanArgs) -> tuple[int, int, list[str]]:
+    """GPU count and memory: the flags, else this machine's GPUs, else 8 x 80 GiB with a note saying so."""
+    if args.gpus is not None and args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus}: must be at least 1")
+    memory = parse_memory(args.gpu_memory) if args.gpu_memory is not None else None
+    if torch.cuda.is_available():
+        gpus = args.gpus or torch.cuda.device_count()
+        return gpus, memory or torch.cuda.get_device_properties(0).total_memory, []
+    notes = []
+    if args.gpus is None:
+        notes.append(f"no GPU on this machine: planned for {DEFAULT_GPUS} GPUs (set --gpus)")
+    if memory is None:
+        notes.append(f"no GPU on this machine: planned for {DEFAULT_GPU_MEMORY / GiB:.0f} GiB per GPU "
+                     "(set --gpu-memory)")
+    return args.gpus or DEFAULT_GPUS, memory or DEFAULT_GPU_MEMORY, notes
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv, cls=PlanArgs, description=__doc__.split("\n\n")[0], prog="python -m fsdp_trainer.plan")
+    try:
+        gpus, memory, notes = _hardware(args)
+        result = plan(args, gpus, memory)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    result.notes = notes + result.notes
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
+    sys.exit(0 if result.fits else 1)
+
+
+if __name__ == "__main__":
+    main()
