@@ -87,6 +87,11 @@ class TrainConfig:
     """Print and record metrics every N steps; the only steps that sync the host with the GPU."""
     deterministic: bool = False
     """Deterministic kernels and no autotuning, for chasing numerical differences (slower)."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose loss or gradient norm is not finite is never applied; stop: end the run at the next logging
+    step, naming it; skip: carry on, up to max_skipped_steps."""
+    max_skipped_steps: int = 10
+    """With on_nonfinite=skip: stop once more steps than this were skipped."""
 
 
 @dataclass

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import sysconfig
 import tempfile
@@ -348,6 +349,15 @@ def check_source(cfg: DataConfig, seq_len: int, vocab_size: int) -> str:
     return repr(build_dataset(cfg, seq_len, vocab_size))
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """Loader workers leave SIGTERM/SIGUSR1 to the training process, which checkpoints before exiting.
+
+    torchrun delivers SIGTERM to a rank's whole process group; a worker killed by it would take the rank down
+    ("DataLoader worker is killed by signal") before the checkpoint. Workers still end with their parent."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 def build_dataloader(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, grad_accum_steps: int, dp_rank: int,
                      dp_size: int, vocab_size: int, start_sample: int = 0,
                      device_type: str = "cpu") -> StatefulDataLoader:
@@ -364,6 +374,7 @@ def build_dataloader(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, gr
             num_workers=cfg.num_workers,
             pin_memory=device_type == "cuda",
             persistent_workers=cfg.num_workers > 0,
+            worker_init_fn=_ignore_stop_signals,
             # The trainer resumes from its own consumed-sample count and never reads the loader's snapshots;
             # taking one every step (the default) costs a round trip to every worker per batch.
             snapshot_every_n_steps=2**31,

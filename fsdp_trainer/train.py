@@ -14,22 +14,29 @@ Runbook:
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdp_trainer import distributed
+from fsdp_trainer.checkpoint import CheckpointError, Checkpointer
 from fsdp_trainer.config import Config, ConfigError, mesh_shape, parse_args, resolve_param_dtype, to_toml, validate
-from fsdp_trainer.data import build_dataloader, samples_per_step
+from fsdp_trainer.data import build_dataloader, check_source, samples_per_step
 from fsdp_trainer.distributed import logger
+from fsdp_trainer.faults import NonFiniteError, NonFiniteGuard, Watchdog, describe_oom, enable_flight_recorder
 from fsdp_trainer.metrics import GiB, Metrics, environment, write_run_info
 from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile, apply_fsdp, init_weights
+from fsdp_trainer.plan import Plan, check_fits
+from fsdp_trainer.profiling import StepProfiler
 
 
 def build_model(cfg: Config, mesh, device: torch.device):
@@ -52,7 +59,7 @@ def build_model(cfg: Config, mesh, device: torch.device):
     return model, args
 
 
-def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device: torch.device):
+def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device: torch.device, guard=None):
     """One optimizer step over `grad_accum_steps` micro-batches. Returns (mean loss, global grad norm) as
     device tensors: nothing here waits for the GPU."""
     accum = cfg.train.grad_accum_steps
@@ -69,9 +76,11 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
     if scaler:
         scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-    if scaler:
+    if scaler:  # the scaler skips steps with inf/NaN gradients itself, and lowers the scale
         scaler.step(optimizer)
         scaler.update()
+    elif guard:
+        guard.step(optimizer, grad_norm)
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -86,34 +95,42 @@ def mean_over_ranks(value: torch.Tensor, world_size: int) -> float:
     return value.item() / world_size
 
 
-def run(cfg: Config, info: distributed.DistInfo) -> dict:
+def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = None) -> dict:
     device = info.device
     dp_replicate, dp_shard = mesh_shape(cfg.parallel, info.world_size)
     output_dir = Path(cfg.train.output_dir)
     torch.manual_seed(cfg.train.seed)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     if cfg.memory.limit_gib is not None:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory.limit_gib * GiB / total), device)
+    if cfg.memory.oom_snapshot and device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
 
     mesh = distributed.build_mesh(device.type, dp_replicate, dp_shard)
     model, args = build_model(cfg, mesh, device)
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     param_dtype = resolve_param_dtype(cfg.parallel.param_dtype, device.type)
-    scaler = None
-    if param_dtype == "float16":
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        scaler = ShardedGradScaler()
+    # FSDP2's gradients are DTensors, which torch.amp's scaler handles (found-inf reduced across ranks).
+    scaler = torch.amp.GradScaler(device.type) if param_dtype == "float16" else None
 
     t = cfg.train
     global_batch = samples_per_step(t.micro_batch_size, t.grad_accum_steps, info.world_size)
-    step, consumed_samples = 0, 0
+    guard = NonFiniteGuard(device, t.on_nonfinite, t.max_skipped_steps)
+    ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, before_save=guard.check)
+    progress = ckpt.restore()
+    guard.step_number = progress.step
+    if progress.step >= t.steps:
+        logger.info(f"step {progress.step} of train.steps={t.steps} is done already: nothing to train "
+                    "(raise --train.steps to continue)")
+        return {"step": progress.step, "history": [], "model": model, "optimizer": optimizer}
     loader = build_dataloader(cfg.data, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
                               grad_accum_steps=t.grad_accum_steps, dp_rank=info.rank, dp_size=info.world_size,
-                              vocab_size=args.vocab_size, start_sample=consumed_samples, device_type=device.type)
+                              vocab_size=args.vocab_size, start_sample=progress.consumed_samples,
+                              device_type=device.type)
     batches = iter(loader)
 
     if info.is_main:
@@ -124,38 +141,111 @@ def run(cfg: Config, info: distributed.DistInfo) -> dict:
     metrics = Metrics(device=device, total_steps=t.steps, tokens_per_step=global_batch * t.seq_len,
                       world_size=info.world_size, flops_per_token=args.flops_per_token(t.seq_len),
                       output_dir=output_dir, tensorboard=cfg.metrics.tensorboard, is_main=info.is_main)
-    metrics.start(step)
+    profiler = StepProfiler(cfg.profile.steps, cfg.profile.memory_snapshot, output_dir, info.rank, device)
+    watchdog = Watchdog(info.rank, info.world_size, cfg.dist.init_timeout_s, cfg.dist.timeout_s)
+    metrics.start(progress.step)
+    rows_file = start_rows_file(output_dir, progress.step) if info.is_main else None
     history = []
-    while step < t.steps:
-        loss, grad_norm = train_step(model, optimizer, scheduler, batches, cfg, scaler, device)
-        step += 1
-        consumed_samples += global_batch
-        if step % t.log_every == 0 or step == t.steps:
-            row = metrics.log(step, mean_over_ranks(loss, info.world_size), grad_norm.item(),
-                              scheduler.get_last_lr()[0])
-            history.append({"step": step, **row})
-    metrics.close()
-    if info.is_main:
-        import json
-        (output_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
-    return {"step": step, "history": history, "model": model}
+    try:
+        with ckpt.stop_signals():
+            while progress.step < t.steps:
+                profiler.before(progress.step + 1)
+                loss, grad_norm = train_step(model, optimizer, scheduler, batches, cfg, scaler, device, guard)
+                progress.advance(global_batch, t.seq_len)
+                profiler.after(progress.step)
+                watchdog.beat(progress.step)
+                if progress.step % t.log_every == 0 or progress.step == t.steps:
+                    extra = {"consumed_samples": progress.consumed_samples, "skipped_steps": guard.check()}
+                    if memory_plan and len(history) == 0:
+                        extra.update(planned_vs_measured(memory_plan, device))
+                    row = metrics.log(progress.step, mean_over_ranks(loss, info.world_size), grad_norm.item(),
+                                      scheduler.get_last_lr()[0], extra=extra)
+                    history.append({"step": progress.step, **row})
+                    append_row(rows_file, history[-1])
+                with watchdog.paused():  # a save may take longer than a step
+                    if ckpt.after_step(progress):  # saves when due; True once the ranks agreed to stop on a signal
+                        break
+            with watchdog.paused():
+                ckpt.finish(progress)
+    except torch.OutOfMemoryError as err:
+        top = memory_plan.suggestions[0].describe() if memory_plan and memory_plan.suggestions else None
+        snapshots = output_dir / "memory" if cfg.memory.oom_snapshot else None
+        logger.error(describe_oom(err, info.rank, device, memory_plan and memory_plan.predicted_peak_bytes, top,
+                                  snapshots))
+        raise SystemExit(1) from None
+    finally:
+        watchdog.stop()
+        metrics.close()
+    return {"step": progress.step, "history": history, "model": model, "optimizer": optimizer}
 
 
+def planned_vs_measured(memory_plan: Plan, device: torch.device) -> dict:
+    """The plan's predicted allocator peak beside the measured one, logged once after the first steps."""
+    planned = memory_plan.predicted_peak_bytes / GiB
+    measured = torch.cuda.max_memory_allocated(device) / GiB
+    logger.info(f"memory: planned peak {planned:.2f} GiB, measured {measured:.2f} GiB "
+                f"({100 * (planned / measured - 1):+.1f}%)")
+    return {"planned_peak_gib": planned, "measured_peak_gib": measured}
+
+
+def start_rows_file(output_dir: Path, start_step: int) -> Path:
+    """<output_dir>/metrics.jsonl, one row per logged step. A resumed run keeps the rows up to the step it resumes
+    from and drops later ones, which it is about to redo: the file reads as one run."""
+    path = output_dir / "metrics.jsonl"
+    rows = path.read_text().splitlines() if start_step and path.is_file() else []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(row + "\n" for row in rows if json.loads(row)["step"] <= start_step))
+    return path
+
+
+def append_row(path: Optional[Path], row: dict) -> None:
+    """Append a row as it is logged, so that a killed run leaves the rows of the steps it did (rank 0 only)."""
+    if path is not None:
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+@record  # torchrun's error file, and so its failure summary, gets the failing rank's real traceback
 def main(argv=None) -> None:
     cfg = parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
         # Everything that can be checked without a GPU is checked before the process group or any memory.
         validate(cfg, world_size, "cuda" if torch.cuda.is_available() else "cpu")
+        check_source(cfg.data, cfg.train.seq_len, model_args_from_config(cfg.model).vocab_size)
+        memory_plan = fits_or_exit(cfg, world_size, rank)
     except ConfigError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if rank == 0:
             print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+    if cfg.dist.flight_recorder and torch.cuda.is_available():
+        enable_flight_recorder(Path(cfg.train.output_dir))
     info = distributed.init(cfg.dist.init_timeout_s)
     try:
-        run(cfg, info)
+        run(cfg, info, memory_plan)
+    except (CheckpointError, NonFiniteError) as err:  # raised alike on every rank: one message is enough
+        if info.is_main:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     finally:
         distributed.shutdown()
+
+
+def fits_or_exit(cfg: Config, world_size: int, rank: int) -> Optional[Plan]:
+    """On GPUs: the memory plan's summary, and a stop before anything is allocated if the run cannot fit."""
+    if not torch.cuda.is_available():
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    memory_plan = check_fits(cfg, world_size, torch.cuda.get_device_properties(local_rank).total_memory)
+    if rank == 0:
+        print(memory_plan.summary_line(), file=sys.stderr)
+    if not memory_plan.fits and not cfg.memory.ignore_plan:
+        raise ConfigError("the memory plan says this run does not fit (see above); apply a suggested change, or "
+                          "pass --memory.ignore_plan to start anyway. Details: python -m fsdp_trainer.plan "
+                          "with the same flags")
+    return memory_plan
 
 
 if __name__ == "__main__":

@@ -1,0 +1,931 @@
+"""Checkpoints: sharded save and load through torch.distributed.checkpoint (DCP), atomic commit, retention,
+resume on any world size or mesh, preemption, and export to / import from a consolidated or Hugging Face model.
+
+Runbook:
+    # resume: run the same command again (--checkpoint.resume auto takes the newest complete checkpoint)
+    torchrun --nproc_per_node=8 -m fsdp_trainer.train --config configs/llama3_8b.toml
+    # ... on another number of GPUs or another mesh: DCP reshards; the data continue at the saved sample count
+    torchrun --nproc_per_node=4 -m fsdp_trainer.train --config configs/llama3_8b.toml --train.grad_accum_steps 2
+    # preempt: SIGTERM or SIGUSR1 to the training processes (every rank, or just one: they agree) finishes the
+    # step, saves, waits for the save and exits 0; a second signal exits at once. Signal the ranks, not torchrun:
+    # torchrun dies of SIGUSR1, and passes SIGTERM on but kills the ranks 30 s later, saved or not. E.g. on each
+    # node `pkill -USR1 -f fsdp_trainer.train` (a Slurm batch script can trap --signal=B:USR1@300 to run it).
+    python -m fsdp_trainer.checkpoint list outputs/checkpoints
+    python -m fsdp_trainer.checkpoint export outputs/checkpoints/step_00000200 exported/  # model.pt (+ HF Llama)
+    python -m fsdp_trainer.train --checkpoint.init_from hf:exported/ ...                  # fine-tune from those
+
+Layout of <checkpoint.dir>/step_00000200/:
+    .metadata            DCP's index of every tensor chunk; rank 0 writes it after every rank has written its data
+    __<rank>_<n>.distcp  each rank's shards of the model and optimizer state, and its RNG states
+    config.toml          the resolved config of the run that saved it (export reads the model shape from it)
+    trainer_state.json   written last, by rank 0, once DCP finished: its presence marks the checkpoint complete.
+                         Holds step, consumed_samples, tokens_seen, LR-scheduler and grad-scaler state, world size.
+
+Changing the global batch (ranks, micro-batch, accumulation) on resume is allowed: the first new step starts at
+the saved consumed_samples, so no sample is skipped or repeated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import threading
+import time
+import tomllib
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fsdp_trainer.config import Config, ConfigError, load_toml, mesh_shape, to_toml
+from fsdp_trainer.data import samples_per_step
+from fsdp_trainer.distributed import DistInfo, logger
+from fsdp_trainer.models.llama import ModelArgs, model_args_from_config
+
+MARKER = "trainer_state.json"
+CONFIG = "config.toml"
+FORMAT = 1
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# DCP's CheckpointException derives from BaseException, so `except Exception` would let it through.
+_ERRORS = (Exception, CheckpointException)
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_WHAT_TO_DO = ("resume from an earlier complete checkpoint (--checkpoint.resume <its path>), or move this one "
+               "out of the checkpoint folder so that --checkpoint.resume auto takes the previous one")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked; the message names it, the problem and what to do."""
+
+
+@dataclass
+class Progress:
+    """Where training stands: with the tensors, all a resumed run needs to continue exactly."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    tokens_seen: int = 0
+
+    def advance(self, samples: int, seq_len: int) -> None:
+        """Count one finished optimizer step of `samples` samples of `seq_len` tokens."""
+        self.step += 1
+        self.consumed_samples += samples
+        self.tokens_seen += samples * seq_len
+
+
+# ------------------------------------------------------------------------------------------- folders on disk
+
+def step_dir(root: Path, step: int) -> Path:
+    """The folder of the checkpoint of `step` under `root`."""
+    return Path(root) / f"step_{step:08d}"
+
+
+def read_trainer_state(path: Path) -> dict:
+    """The trainer state (step, counters, scheduler...) of a complete checkpoint."""
+    return json.loads((Path(path) / MARKER).read_text())
+
+
+def incomplete_reason(path: Path) -> Optional[str]:
+    """Why `path` is not a complete checkpoint, or None if it is one."""
+    path = Path(path)
+    if not path.is_dir():
+        return "does not exist" if not path.exists() else "is not a folder"
+    if not (path / ".metadata").is_file():
+        return "has no .metadata: not every rank had finished writing when the save was interrupted"
+    if not (path / MARKER).is_file():
+        return f"has no {MARKER}: the save was interrupted before rank 0 committed it"
+    try:
+        state = read_trainer_state(path)
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            return f"its {MARKER} is not format {FORMAT} (another version of fsdp_trainer?)"
+    except (OSError, ValueError) as err:
+        return f"its {MARKER} is unreadable ({err})"
+    return None
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Every step_* folder under root, oldest first, complete or not."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints under root, oldest first."""
+    return [(step, path) for step, path in list_checkpoints(root) if incomplete_reason(path) is None]
+
+
+def find_latest(root: Path) -> tuple[Optional[Path], list[tuple[Path, str]]]:
+    """The newest complete checkpoint under root (or None), and the newer incomplete ones passed over, with why."""
+    skipped = []
+    for _, path in reversed(list_checkpoints(root)):
+        reason = incomplete_reason(path)
+        if reason is None:
+            return path, skipped
+        skipped.append((path, reason))
+    return None, skipped
+
+
+def resolve(path: str | Path, flag: str) -> Path:
+    """The complete checkpoint a user named: a step folder, or a checkpoint folder (then its newest one)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{flag} {path}: no such folder; give a step_* folder holding {MARKER}, or the "
+                              "checkpoint folder that holds them")
+    if _STEP_DIR.match(path.name) or (path / ".metadata").exists() or (path / MARKER).exists():
+        reason = incomplete_reason(path)
+        if reason is not None:
+            complete = complete_checkpoints(path.parent)
+            hint = f"the newest complete one there is {complete[-1][1]}" if complete else "there is no complete one"
+            raise CheckpointError(f"{flag} {path}: not a complete checkpoint: it {reason}; {hint}")
+        return path
+    latest, _ = find_latest(path)
+    if latest is None:
+        raise CheckpointError(f"{flag} {path}: holds no complete checkpoint (a step_* folder with {MARKER})")
+    return latest
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    # The rename itself must reach the disk before anyone may rely on the checkpoint being complete.
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def _size_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+
+
+# --------------------------------------------------------------------------------- checking before loading
+
+def read_metadata(path: Path) -> Metadata:
+    """DCP's index of a checkpoint; a CheckpointError naming the folder if it cannot be read."""
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # a truncated or foreign file fails in pickle, in torch or in the OS
+        raise CheckpointError(f"checkpoint {path}: its .metadata cannot be read ({type(err).__name__}: {err}), so "
+                              f"the checkpoint is corrupt; {_WHAT_TO_DO}") from None
+
+
+def tensor_shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """Flattened key (as DCP names it) -> global shape of every tensor reachable through nested dicts."""
+    shapes = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            shapes.update(tensor_shapes(value, f"{name}."))
+        elif isinstance(value, torch.Tensor):  # a DTensor's shape is the global, unsharded one
+            shapes[name] = tuple(value.shape)
+    return shapes
+
+
+def _saved_model_settings(path: Path) -> str:
+    try:
+        model = tomllib.loads((Path(path) / CONFIG).read_text()).get("model", {})
+    except (OSError, ValueError):
+        return ""
+    return " It was saved with " + " ".join(f"--model.{k} {v}" for k, v in model.items()) + "."
+
+
+def check_shapes(path: Path, metadata: Metadata, expected: dict[str, tuple[int, ...]], unexpected_prefix: str,
+                 fix: str) -> None:
+    """Raise a CheckpointError listing every expected tensor that `path` lacks or holds in another shape, and
+    every saved tensor under `unexpected_prefix` that is not expected (a model with more layers, say)."""
+    saved = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+             if isinstance(v, TensorStorageMetadata)}
+    problems = []
+    for key, shape in expected.items():
+        if key not in saved:
+            problems.append(f"{key} is missing from the checkpoint")
+        elif saved[key] != shape:
+            problems.append(f"{key} has shape {list(saved[key])} in the checkpoint but {list(shape)} here")
+    problems += [f"{key} is in the checkpoint but not in this model" for key in saved
+                 if key.startswith(unexpected_prefix) and key not in expected]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"checkpoint {path} does not fit: {'; '.join(problems[:3])}{more}."
+                              f"{_saved_model_settings(path)} {fix}")
+
+
+# ------------------------------------------------------------------------------------------------ RNG state
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's RNG states as tensors (DCP stores tensors per rank; Python's state goes as JSON bytes)."""
+    state = {"python": _bytes_tensor(json.dumps(random.getstate())), "cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Restore what rng_state() returned (a CUDA state only when both sides have one)."""
+    version, internal, gauss = json.loads(state["python"].numpy().tobytes().decode())
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _rng_placeholders(metadata: Metadata, key: str, device: torch.device) -> dict[str, torch.Tensor]:
+    entries = metadata.state_dict_metadata
+    names = ["python", "cpu"] + (["cuda"] if device.type == "cuda" and f"rng.{key}.cuda" in entries else [])
+    return {n: torch.empty(entries[f"rng.{key}.{n}"].size, dtype=torch.uint8) for n in names}
+
+
+# ----------------------------------------------------------------------------------------- preemption and votes
+
+class StopSignals:
+    """SIGTERM / SIGUSR1: the first asks for a checkpoint and a clean exit; a second exits at once (code 128+sig)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.received: Optional[str] = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        """Handle the stop signals from now on (Python only lets the main thread do so)."""
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("not running in the main thread: SIGTERM/SIGUSR1 will kill training without a checkpoint")
+            return
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before install()."""
+        for sig, handler in self._previous.items():
+            # None: the old handler was not set from Python; the default is the closest we can restore.
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            # os._exit: no cleanup that could wait on a collective or on the save in flight.
+            os.write(2, f"[rank{self.rank}] second stop signal ({name}): exiting now without a checkpoint\n".encode())
+            os._exit(128 + signum)
+        self.received = name
+        logger.warning(f"{name}: finishing the step, then saving a checkpoint and exiting "
+                       "(send it again to exit at once)")
+
+
+class Votes:
+    """The ranks' agreement on stopping and on time-based saves, without a GPU sync or a wait in the loop.
+
+    A max-all-reduce of two flags on a gloo group is started after each step and read after the next one, by
+    which time it has long finished; every rank reads the same result at the same step, so all act alike."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self._flags: Optional[torch.Tensor] = None
+        self._work = None
+
+    def start(self, stop: bool, save: bool) -> None:
+        """Cast this rank's votes for the decision read at the next step."""
+        self._flags = torch.tensor([int(stop), int(save)], dtype=torch.int32)
+        self._work = dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def result(self) -> tuple[bool, bool]:
+        """(any rank asked to stop, rank 0 found a save due) as of the previous start(); (False, False) if none."""
+        if self._work is None:
+            return False, False
+        self._work.wait()
+        self._work = None
+        stop, save = self._flags.tolist()
+        return bool(stop), bool(save)
+
+
+# ----------------------------------------------------------------------------------------------- save and load
+
+@dataclass
+class _Save:
+    step: int
+    path: Path
+    future: Future
+    trainer_state: dict
+    started: float
+    blocked: float
+    finished: Optional[float] = None
+
+
+class ReusedBufferStager:
+    """DCP's AsyncStager for async_pinned: copies the state into host buffers allocated at the first save and
+    reused by every later one, pinned on CUDA so that the device-to-host copy runs at full speed.
+
+    Ours because DCP's own cannot do this on both torch versions we run: torch 2.11's DefaultStager drops its
+    buffers after every save, and BlockingAsyncStager's reused buffers are always pinned, which needs CUDA."""
+
+    should_synchronize_after_execute = False  # stage() returns only once the copy is done
+
+    def __init__(self, device: torch.device):
+        self.pin = device.type == "cuda"
+        self._buffers: Optional[dict] = None
+
+    def stage(self, state_dict: dict) -> dict:
+        """The state copied into the reused host buffers (the next optimizer step may change it at once)."""
+        if self._buffers is None:
+            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self.pin)
+        staged = _copy_state_dict(state_dict, self._buffers, non_blocking=self.pin)
+        if self.pin:
+            torch.cuda.synchronize()
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: stage() is synchronous."""
+
+    def close(self) -> None:
+        """Release the buffers."""
+        self._buffers = None
+
+
+def _test_crash(point: str, step: int) -> None:
+    """Test hook: FSDP_TRAINER_TEST_CRASH=<point>@<step>[+<seconds>] SIGKILLs each rank that reaches that point of
+    the save of that step, at once or that many seconds later (torchrun then stops the others)."""
+    where, _, delay = os.environ.get("FSDP_TRAINER_TEST_CRASH", "").partition("+")
+    if where != f"{point}@{step}":
+        return
+    if delay:
+        threading.Timer(float(delay), os.kill, (os.getpid(), signal.SIGKILL)).start()
+    else:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Checkpointer:
+    """Save, resume and preemption for one run. Every rank makes the same calls in the same order:
+
+        ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler)
+        progress = ckpt.restore()              # resume, or init_from weights, or fresh
+        with ckpt.stop_signals():
+            while progress.step < steps:
+                train_step(...); progress.advance(global_batch, seq_len)
+                if ckpt.after_step(progress):  # saves when due; True once the ranks agreed to stop
+                    break
+            ckpt.finish(progress)              # the final save, waited for
+    """
+
+    def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler, scaler=None, before_save: Callable[[], object] = lambda: None):
+        self.cfg, self.info = cfg, info
+        self.before_save = before_save  # raises to veto a save (the trainer's non-finite check)
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.root = Path(cfg.checkpoint.dir or Path(cfg.train.output_dir) / "checkpoints")
+        self.mode = cfg.checkpoint.async_mode
+        # new_group is collective: every rank creates both here, in this order. DCP's collectives run on one
+        # (from a background thread while an async save is in flight), the votes on the other, so the two never
+        # interleave, and neither touches the training's (NCCL) default group. The long start-up timeout, not
+        # the short one of training steps: a rank may wait here for the slowest rank's write of a large model.
+        timeout = datetime.timedelta(seconds=cfg.dist.init_timeout_s)
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self.votes = Votes(dist.new_group(backend="gloo", timeout=timeout))
+        self.signals = StopSignals(info.rank)
+        self._stager = ReusedBufferStager(info.device) if self.mode == "async_pinned" else None
+        self.stopped = False
+        self._pending: Optional[_Save] = None
+        self._deleter: Optional[threading.Thread] = None
+        self._saved_step = -1
+        self._last_save = time.monotonic()
+        self._config_toml = to_toml(cfg)
+
+    # -- resume ------------------------------------------------------------------------------------------
+    def restore(self) -> Progress:
+        """Resume from a checkpoint (checkpoint.resume), else load checkpoint.init_from weights, else start
+        fresh; logs which. Raises CheckpointError, on every rank, for a checkpoint that cannot be used. A
+        checkpoint at or past train.steps is only checked, not loaded: there is nothing left to train."""
+        path = self._agree(self._choose_resume)
+        c = self.cfg.checkpoint
+        if path is not None:
+            if c.init_from:
+                logger.info(f"checkpoint.init_from={c.init_from} ignored: resuming from {path}")
+            return self._load(Path(path))
+        self._saved_step = 0  # nothing to save before the first step
+        if c.init_from:
+            load_weights(self.model, c.init_from, model_args_from_config(self.cfg.model), self.group)
+            logger.info(f"initialized the model from {c.init_from}; fresh optimizer, step 0")
+        return Progress()
+
+    def _agree(self, decide: Callable[[], Optional[str]]) -> Optional[str]:
+        """Run decide() on rank 0 and hand its answer, or its error, to every rank: file listings on a shared
+        file system need not look the same from every node, and no rank may go on while another stops."""
+        box = [None]
+        if self.info.is_main:
+            try:
+                box[0] = ("ok", decide())
+            except CheckpointError as err:
+                box[0] = ("error", str(err))
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        kind, value = box[0]
+        if kind == "error":
+            raise CheckpointError(value)
+        return value
+
+    def _choose_resume(self) -> Optional[str]:
+        resume = self.cfg.checkpoint.resume
+        if resume == "none":
+            self._refuse_mixing(after_step=-1, flag="--checkpoint.resume none")
+            return None
+        if resume == "auto":
+            latest, skipped = find_latest(self.root)
+            for path, reason in skipped:
+                logger.warning(f"skipping {path}: it {reason}")
+            if latest is None:
+                logger.info(f"no complete checkpoint in {self.root}: starting fresh")
+            return None if latest is None else str(latest)
+        path = resolve(resume, "--checkpoint.resume")
+        self._refuse_mixing(after_step=read_trainer_state(path)["step"], flag=f"--checkpoint.resume {path}")
+        return str(path)
+
+    def _refuse_mixing(self, after_step: int, flag: str) -> None:
+        newer = [p.name for step, p in complete_checkpoints(self.root) if step > after_step]
+        if newer:
+            raise CheckpointError(f"{flag}: {self.root} already holds checkpoints {', '.join(newer)} that this run "
+                                  "would mix with its own (and resume auto would later pick); save to another "
+                                  "--checkpoint.dir, or move them away")
+
+    def _load(self, path: Path) -> Progress:
+        state, metadata = read_trainer_state(path), read_metadata(path)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        check_shapes(path, metadata, tensor_shapes({"model": model_sd, "optim": optim_sd}), "model.",
+                     "Resume with the model settings it was saved with, or start a new run with --checkpoint.resume "
+                     "none and another --checkpoint.dir.")
+        progress = Progress(state["step"], state["consumed_samples"], state["tokens_seen"])
+        self._saved_step = progress.step
+        if progress.step >= self.cfg.train.steps:
+            # The run is over: reading every tensor of a large model only to stop would take minutes.
+            logger.info(f"{path} holds step {progress.step}")
+            return progress
+        rng = self._read(path, metadata, model_sd, optim_sd, state["world_size"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("grad_scaler"):
+            self.scaler.load_state_dict(state["grad_scaler"])
+        set_rng_state(rng, self.info.device)
+        self._log_resume(path, state, progress)
+        return progress
+
+    def _read(self, path: Path, metadata: Metadata, model_sd: dict, optim_sd: dict,
+              saved_world_size: int) -> dict[str, torch.Tensor]:
+        """Fill the state dicts in place from `path`, resharded by DCP; returns this rank's RNG state: its own
+        on the same world size, else saved rank 0's (there is no rank-to-rank correspondence then)."""
+        key = f"rank{self.info.rank}" if saved_world_size == self.info.world_size else "rank0"
+        target = {"model": model_sd, "optim": optim_sd,
+                  "rng": {key: _rng_placeholders(metadata, key, self.info.device)}}
+        try:
+            dcp.load(target, checkpoint_id=str(path), process_group=self.group)
+        except _ERRORS as err:  # DCP gathers every rank's read errors and raises them on all ranks
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CheckpointError(f"checkpoint {path} could not be read ({first}): a file is corrupt or truncated; "
+                                  f"{_WHAT_TO_DO}") from err
+        return target["rng"][key]
+
+    def _log_resume(self, path: Path, state: dict, progress: Progress) -> None:
+        logger.info(f"resuming from {path}: step {progress.step}, {progress.consumed_samples:,} samples and "
+                    f"{progress.tokens_seen:,} tokens seen (saved on {_ranks(state['world_size'])}, "
+                    f"mesh {state['mesh']})")
+        if state["world_size"] != self.info.world_size:
+            logger.info(f"saved on {_ranks(state['world_size'])}, resuming on {_ranks(self.info.world_size)}: DCP "
+                        "reshards model and optimizer; every rank restores the RNG state of saved rank 0")
+        batch = self._global_batch()
+        if state["global_batch"] != batch:
+            logger.info(f"global batch changed from {state['global_batch']} to {batch} samples: step "
+                        f"{progress.step + 1} starts at sample {progress.consumed_samples:,}")
+
+    def _global_batch(self) -> int:
+        t = self.cfg.train
+        return samples_per_step(t.micro_batch_size, t.grad_accum_steps, self.info.world_size)
+
+    # -- during training ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def stop_signals(self) -> Iterator[None]:
+        """SIGTERM/SIGUSR1 handled inside (see StopSignals); the previous handlers back afterwards. If training
+        fails inside, a save begun before the failure still counts once it completes."""
+        self.signals.install()
+        try:
+            yield
+        except BaseException:
+            self._salvage()
+            raise
+        finally:
+            self.signals.restore()
+            if self._stager is not None and self._pending is None:
+                self._stager.close()
+
+    def _salvage(self) -> None:
+        if self._pending is None:
+            return
+        step = self._pending.step
+        try:
+            self._wait()
+        except BaseException as err:  # the failure that brought us here may have taken the save down too
+            logger.warning(f"the save of step {step} did not complete: {err}")
+
+    def after_step(self, progress: Progress) -> bool:
+        """Call after every step on every rank: saves when checkpoint.interval or interval_minutes say so, and
+        returns True once the ranks agreed to stop (a stop signal reached one of them a step earlier)."""
+        self._poll()
+        stop, save_due = self.votes.result()
+        if stop:
+            self.stopped = True
+            return True
+        c = self.cfg.checkpoint
+        if save_due or (c.interval and progress.step % c.interval == 0):
+            self.save(progress)
+        time_due = (self.info.is_main and c.interval_minutes > 0
+                    and time.monotonic() - self._last_save >= 60 * c.interval_minutes)
+        self.votes.start(stop=self.signals.received is not None, save=time_due)
+        return False
+
+    def finish(self, progress: Progress) -> None:
+        """The run's last save (unless this step is saved already, or checkpoint.save_final is off and no stop
+        was asked for), and the wait until every save is complete."""
+        self.votes.result()  # collect the vote in flight: no collective may be left open at shutdown
+        if progress.step != self._saved_step and (self.stopped or self.cfg.checkpoint.save_final):
+            self.save(progress)
+        self._wait()
+        self._join_deleter()
+        dist.barrier(group=self.group)  # no rank exits before rank 0 has committed
+        if self.stopped:
+            logger.info(f"stopped at step {progress.step} on a stop signal; the checkpoint is complete: run the "
+                        "same command to resume")
+
+    def save(self, progress: Progress) -> None:
+        """Save a checkpoint of this step: sync, or async (training waits only while the state is copied to host
+        memory). Rank 0 commits it once complete, at a later step's after_step or at finish()."""
+        self.before_save()
+        start = time.perf_counter()
+        waited = self._wait()  # one save at a time: its staging buffers get reused, and commits stay in order
+        begun = time.perf_counter()
+        path = step_dir(self.root, progress.step)
+        self._make_room(path)
+        future = self._write(path)
+        save = _Save(progress.step, path, future, self._trainer_state(progress), begun, time.perf_counter() - start)
+        future.add_done_callback(lambda _: setattr(save, "finished", time.perf_counter()))
+        self._pending, self._saved_step, self._last_save = save, progress.step, time.monotonic()
+        wait_note = f" (of which {waited:.2f} s waiting for the previous save)" if waited > 0.01 else ""
+        logger.info(f"checkpoint step {progress.step} ({self.mode}): training blocked {save.blocked:.2f} s{wait_note}")
+        _test_crash("staged", progress.step)
+        if self.mode == "none":
+            self._wait()
+
+    def _write(self, path: Path) -> Future:
+        """Hand this rank's shards to DCP; the returned future completes once every rank's are on storage."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{self.info.rank}": rng_state(self.info.device)}}
+        if self.mode != "none":
+            response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group,
+                                      async_stager=self._stager)
+            # torch returns an AsyncSaveResponse only for a stager that stages in the background (ours do not).
+            return getattr(response, "upload_completion", response)
+        dcp.save(state, checkpoint_id=str(path), process_group=self.group)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _make_room(self, path: Path) -> None:
+        """Clear what an interrupted save of this step left behind; never a complete checkpoint."""
+        if self.info.is_main:
+            if path.exists():
+                reason = incomplete_reason(path)
+                if reason is None:
+                    raise CheckpointError(f"{path} is a complete checkpoint already; is another run saving into "
+                                          f"{self.root}?")
+                logger.info(f"clearing {path} before saving there: it {reason}")
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+            (path / CONFIG).write_text(self._config_toml)
+        dist.barrier(group=self.group)  # nobody writes into the folder while rank 0 may still be clearing it
+
+    def _trainer_state(self, progress: Progress) -> dict:
+        return {"format": FORMAT, "step": progress.step, "consumed_samples": progress.consumed_samples,
+                "tokens_seen": progress.tokens_seen, "world_size": self.info.world_size,
+                "mesh": dict(zip(("dp_replicate", "dp_shard"), mesh_shape(self.cfg.parallel, self.info.world_size))),
+                "global_batch": self._global_batch(), "seq_len": self.cfg.train.seq_len,
+                "scheduler": self.scheduler.state_dict(),
+                "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__}
+
+    def _poll(self) -> None:
+        if self._pending is not None and self._pending.future.done():
+            self._commit()
+
+    def _wait(self) -> float:
+        """Wait for the save in flight, if any, and commit it; returns the seconds waited."""
+        if self._pending is None:
+            return 0.0
+        start = time.perf_counter()
+        self._pending.future.exception()  # waits; _commit raises what it holds
+        waited = time.perf_counter() - start
+        self._commit()
+        return waited
+
+    def _commit(self) -> None:
+        """Rank 0 marks a finished save complete (DCP's .metadata exists, so every rank wrote its part) and
+        applies retention. Done from the training thread, where an error stops training loudly."""
+        save, self._pending = self._pending, None
+        try:
+            save.future.result()
+        except _ERRORS as err:  # not a CheckpointError: it is this rank's, and deserves its traceback
+            raise RuntimeError(f"saving checkpoint {save.path} failed: {err}") from err
+        if not self.info.is_main:
+            return
+        _test_crash("before_marker", save.step)
+        _write_atomic(save.path / MARKER, json.dumps(save.trainer_state, indent=1) + "\n")
+        size, seconds = _size_bytes(save.path), (save.finished or time.perf_counter()) - save.started
+        logger.info(f"checkpoint {save.path} complete: {size / 1e9:.3f} GB in {seconds:.2f} s "
+                    f"({size / 1e9 / max(seconds, 1e-9):.2f} GB/s; training blocked {save.blocked:.2f} s)")
+        self._retain()
+
+    def _retain(self) -> None:
+        """Delete complete checkpoints beyond checkpoint.keep, in the background: removing a large model's files
+        takes seconds that training need not wait for."""
+        old = [path for _, path in complete_checkpoints(self.root)[:-self.cfg.checkpoint.keep]]
+        for path in old:
+            # The marker goes first, at once: resume never picks these again, and a crash while deleting leaves
+            # incomplete folders, never damaged complete ones.
+            (path / MARKER).unlink()
+        if old:
+            self._join_deleter()
+            self._deleter = threading.Thread(target=_delete, args=(old, self.cfg.checkpoint.keep),
+                                             name="checkpoint-retention")
+            self._deleter.start()
+
+    def _join_deleter(self) -> None:
+        if self._deleter is not None:
+            self._deleter.join()
+            self._deleter = None
+
+
+def _delete(paths: list[Path], keep: int) -> None:
+    for path in paths:
+        shutil.rmtree(path)
+        logger.info(f"deleted {path} (checkpoint.keep={keep})")
+
+
+# ------------------------------------------------------------------------------------- weights in and out
+
+def _hf_names(n_layers: int) -> dict[str, str]:
+    """Our parameter names -> Hugging Face LlamaForCausalLM's."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    block = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+             "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+             "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+             "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
+             "ffn_norm.weight": "post_attention_layernorm.weight"}
+    for i in range(n_layers):
+        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in block.items()})
+    return names
+
+
+def _rope_heads(name: str, args: ModelArgs) -> Optional[int]:
+    """Heads of a projection whose output rows RoPE rotates (q and k), else None."""
+    if name.endswith("attention.wq.weight"):
+        return args.n_heads
+    if name.endswith("attention.wk.weight"):
+        return args.n_kv_heads
+    return None
+
+
+def to_hf_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder q/k rows from Meta's interleaved RoPE pairs (x0,x1),(x2,x3)... to HF's rotate-half layout, whose
+    pairs are (x_i, x_{i+d/2}): within each head, the even rows, then the odd ones."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def from_hf_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of to_hf_rows."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Our full state dict -> HF Llama's (a tied output projection is left to tie_word_embeddings)."""
+    out = {}
+    for ours, theirs in _hf_names(args.n_layers).items():
+        if ours == "output.weight" and args.tie_embeddings:
+            continue
+        heads = _rope_heads(ours, args)
+        tensor = state[ours] if heads is None else to_hf_rows(state[ours], heads)
+        out[theirs] = tensor.contiguous()
+    return out
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
+    """config.json of the equivalent transformers LlamaForCausalLM."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
+            "intermediate_size": args.ffn_hidden_dim, "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+            "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len, "rope_theta": args.rope_theta,
+            "rms_norm_eps": args.norm_eps, "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "initializer_range": 0.02,
+            "torch_dtype": str(dtype).removeprefix("torch.")}
+
+
+def load_consolidated(path: Path) -> tuple[dict[str, torch.Tensor], Config]:
+    """The full (unsharded) model weights of a complete checkpoint and its config, read in this one process
+    without a process group: DCP fills tensors allocated from its metadata, whatever the saving world size."""
+    path = resolve(path, "checkpoint")
+    metadata = read_metadata(path)
+    state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+            dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
+    except _ERRORS as err:
+        raise CheckpointError(f"checkpoint {path} could not be read ({err}): a file is corrupt or truncated") from err
+    cfg = load_toml(path / CONFIG)
+    if model_args_from_config(cfg.model).tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]  # one tensor again, as in the model
+    return state, cfg
+
+
+def export(path: str | Path, out_dir: str | Path, dtype: Optional[torch.dtype] = None,
+           log: Callable[[str], None] = print) -> Path:
+    """Write a checkpoint's weights to out_dir as model.pt (our names; `Transformer.load_state_dict` takes it)
+    and, if safetensors is installed, as a Hugging Face Llama (config.json + model.safetensors)."""
+    state, cfg = load_consolidated(Path(path))
+    args = model_args_from_config(cfg.model)
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+        if args.tie_embeddings:
+            state["output.weight"] = state["tok_embeddings.weight"]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(state, out / "model.pt")
+    (out / CONFIG).write_text(to_toml(cfg))
+    log(f"wrote {out / 'model.pt'} ({len(state)} tensors, {args.num_params() / 1e6:,.1f}M parameters)")
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        log("skipped the Hugging Face export: it needs safetensors (pip install safetensors, or fsdp_trainer[hf])")
+        return out
+    save_file(to_hf(state, args), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(args, state["norm.weight"].dtype), indent=2) + "\n")
+    log(f"wrote {out / 'model.safetensors'} and config.json: transformers' LlamaForCausalLM.from_pretrained loads it")
+    return out
+
+
+def _hf_tensor_files(folder: Path) -> dict[str, Path]:
+    """HF tensor name -> the .safetensors file holding it (one file, or shards listed by an index)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"hf:{folder}: has neither model.safetensors nor model.safetensors.index.json")
+    from safetensors import safe_open
+    with safe_open(str(single), "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _check_hf_config(folder: Path, args: ModelArgs) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    fields = {"hidden_size": ("dim", args.dim), "num_hidden_layers": ("n_layers", args.n_layers),
+              "num_attention_heads": ("n_heads", args.n_heads),
+              "num_key_value_heads": ("n_kv_heads", args.n_kv_heads),
+              "intermediate_size": ("ffn_hidden_dim", args.ffn_hidden_dim),
+              "vocab_size": ("vocab_size", args.vocab_size),
+              "tie_word_embeddings": ("tie_embeddings", args.tie_embeddings)}
+    wrong = [(flag, config[key], ours) for key, (flag, ours) in fields.items() if key in config and config[key] != ours]
+    if wrong:
+        sets = ", ".join(f"{flag}={ours} here but {theirs} there" for flag, theirs, ours in wrong)
+        flags = " ".join(f"--model.{flag} {theirs}" for flag, theirs, _ in wrong)
+        raise CheckpointError(f"hf:{folder}: config.json does not fit this model ({sets}); set {flags}")
+    if config.get("rope_theta", args.rope_theta) != args.rope_theta or config.get("rope_scaling"):
+        logger.warning(f"hf:{folder}: RoPE differs (rope_theta {config.get('rope_theta')}, rope_scaling "
+                       f"{config.get('rope_scaling')}; this model: rope_theta {args.rope_theta}, no scaling): "
+                       "positions will be encoded differently from the original model")
+
+
+def _hf_full_tensors(folder: Path, args: ModelArgs,
+                     shapes: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, full tensor in our layout) for each parameter in `shapes` (our name -> full shape), one tensor
+    in memory at a time; every shape is checked before the first tensor is read."""
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise CheckpointError("checkpoint.init_from=hf:... needs safetensors: pip install safetensors "
+                              "(or fsdp_trainer[hf])") from None
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"hf:{folder}: no config.json; expected a Hugging Face Llama model folder")
+    _check_hf_config(folder, args)
+    files, theirs = _hf_tensor_files(folder), _hf_names(args.n_layers)
+    if args.tie_embeddings or theirs["output.weight"] not in files:  # HF omits lm_head.weight when tied
+        theirs["output.weight"] = theirs["tok_embeddings.weight"]
+    problems = []
+    for name, expected in shapes.items():
+        if theirs[name] not in files:
+            problems.append(f"{theirs[name]} is missing")
+            continue
+        with safe_open(str(files[theirs[name]]), "pt") as f:
+            shape = tuple(f.get_slice(theirs[name]).get_shape())
+        if shape != expected:
+            problems.append(f"{theirs[name]} has shape {list(shape)} there but our {name} is {list(expected)}")
+    if problems:
+        raise CheckpointError(f"hf:{folder} does not fit this model: {'; '.join(problems[:3])}; set the --model.* "
+                              "flags to match its config.json")
+    for name in shapes:
+        with safe_open(str(files[theirs[name]]), "pt") as f:
+            tensor = f.get_tensor(theirs[name])
+        heads = _rope_heads(name, args)
+        yield name, tensor if heads is None else from_hf_rows(tensor, heads)
+
+
+@torch.no_grad()
+def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    full = full.to(device=param.device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        # Every rank holds the full tensor, so each cuts its own shard without communication.
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param = param.to_local()
+    param.copy_(full)
+
+
+def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Fill a (sharded) model with the weights of a checkpoint (a folder, resharded by DCP) or of hf:<folder> (a
+    Hugging Face Llama); shapes are checked first, and a mismatch raises a CheckpointError naming it."""
+    if source.startswith("hf:"):
+        params = dict(model.named_parameters())  # a tied weight appears once; a DTensor's shape is the full one
+        shapes = {name: tuple(p.shape) for name, p in params.items()}
+        for name, full in _hf_full_tensors(Path(source[3:]).expanduser(), args, shapes):
+            _copy_full(params[name], full)
+        return
+    path = resolve(source, "--checkpoint.init_from")
+    model_sd = get_model_state_dict(model)
+    check_shapes(path, read_metadata(path), tensor_shapes({"model": model_sd}), "model.",
+                 "Set the --model.* flags it was saved with.")
+    dcp.load({"model": model_sd}, checkpoint_id=str(path), process_group=group)
+    set_model_state_dict(model, model_sd)
+
+
+# ----------------------------------------------------------------------------------------------------- CLI
+
+def _list(root: str) -> None:
+    for step, path in list_checkpoints(Path(root)):
+        reason = incomplete_reason(path)
+        if reason is None:
+            state = read_trainer_state(path)
+            print(f"{path}  complete  step {step}, {state['consumed_samples']:,} samples, "
+                  f"{_size_bytes(path) / 1e9:.3f} GB, saved on {_ranks(state['world_size'])} at {state['saved_at']}")
+        else:
+            print(f"{path}  INCOMPLETE: it {reason}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fsdp_trainer.checkpoint", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("export", help="write a checkpoint's weights as model.pt and a Hugging Face Llama")
+    p.add_argument("checkpoint", help="a step_* folder, or a checkpoint folder (its newest complete checkpoint)")
+    p.add_argument("out_dir", help="folder for model.pt, config.toml, and config.json + model.safetensors")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved)")
+    p = commands.add_parser("list", help="list the checkpoints in a folder, complete or not (and why not)")
+    p.add_argument("dir", help="a checkpoint folder (<output_dir>/checkpoints by default)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "list":
+            _list(args.dir)
+        else:
+            export(args.checkpoint, args.out_dir, getattr(torch, args.dtype) if args.dtype else None)
+    except (CheckpointError, ConfigError) as err:
+        parser.exit(2, f"error: {err}\n")
+
+
+if __name__ == "__main__":
+    main()

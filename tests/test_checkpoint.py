@@ -1,0 +1,431 @@
+"""Checkpoints: exact resume, resharding resume, crashes during saves, preemption, retention, async vs sync,
+export / import, errors. CPU and gloo; multi-rank runs are real torchrun jobs of a tiny model (about 10 s each)."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from fsdp_trainer import checkpoint as ck
+from fsdp_trainer import distributed
+from fsdp_trainer.config import parse_args
+from fsdp_trainer.models.llama import build, model_args_from_config
+from fsdp_trainer.optim import build_optimizer, build_scheduler
+from fsdp_trainer.train import build_model, main, run
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--model.name", "debug", "--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
+        "--model.n_kv_heads", "2", "--train.seq_len", "32", "--train.micro_batch_size", "2",
+        "--parallel.param_dtype", "float32", "--data.source", "synthetic", "--data.num_workers", "0",
+        "--metrics.no_tensorboard", "--train.log_every", "1"]
+# Within the default 20 warmup steps the learning rate rises every step and does not depend on train.steps, so a
+# scheduler resumed at the wrong step shows in the losses, and runs of different lengths stay comparable.
+STEPS = 10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, out: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+            "-m", "fsdp_trainer.train", *TINY, "--train.output_dir", str(out), *flags]
+
+
+def torchrun(nproc: int, out: Path, *flags: str, crash: str = "", ok: bool = True) -> str:
+    """Run a training job to its end, expecting exit code 0 if ok else a failure; returns its stdout and stderr.
+    `crash` sets the test hook that SIGKILLs ranks during a save (see checkpoint._test_crash)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FSDP_TRAINER_TEST_CRASH": crash}
+    proc = subprocess.run(torchrun_cmd(nproc, out, *flags), cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=180)
+    output = proc.stdout + proc.stderr
+    assert (proc.returncode == 0) == ok, f"exit code {proc.returncode}:\n{output[-4000:]}"
+    return output
+
+
+def rows(out: Path) -> dict[int, dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    result = {row["step"]: row for row in map(json.loads, lines)}
+    assert len(result) == len(lines), "a step was logged twice"
+    return result
+
+
+def assert_rows_equal(got: dict[int, dict], want: dict[int, dict], steps, rel: float = 0.0) -> None:
+    """Loss, grad norm and lr per step (bit-for-bit when rel=0), and the same data position after every step."""
+    assert sorted(got) == list(steps)
+    for step in steps:
+        assert got[step]["consumed_samples"] == want[step]["consumed_samples"], step
+        for key in ("loss", "grad_norm", "lr"):
+            if rel == 0:
+                assert got[step][key] == want[step][key], (step, key, got[step][key], want[step][key])
+            else:
+                assert got[step][key] == pytest.approx(want[step][key], rel=rel), (step, key)
+
+
+def complete_steps(root: Path) -> list[int]:
+    return [step for step, _ in ck.complete_checkpoints(root)]
+
+
+def all_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, full size, read in this process."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+             if isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under root with its size and modification time: to prove nothing was touched."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+@contextmanager
+def one_rank():
+    """A one-rank gloo process group in this process, on a fresh port; torn down afterwards."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+            mp.setenv(key, value)
+        info = distributed.init(60)
+        try:
+            yield info
+        finally:
+            distributed.shutdown()
+
+
+def train_in_process(*argv: str) -> dict:
+    """The trainer on one rank in this process (what main() does), returning run()'s result."""
+    cfg = parse_args([*TINY, *argv])
+    with one_rank() as info:
+        return run(cfg, info)
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------ multi-rank end to end
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """Uninterrupted: 2 ranks, STEPS steps, async checkpoints at steps 4 and 8 and at the end."""
+    out = tmp_path_factory.mktemp("reference")
+    torchrun(2, out, "--train.steps", str(STEPS), "--checkpoint.interval", "4")
+    assert complete_steps(out / "checkpoints") == [4, 8, 10]
+    return out
+
+
+def test_kill_during_saves_then_resume_is_bit_identical(reference, tmp_path):
+    """SIGKILL while an async save is in flight (after a random delay), then while rank 0 is about to commit; each
+    time resume auto takes the newest complete checkpoint and names the partial ones, the partial folder in the
+    way of a new save is cleared first, and the run ends bit-identical to the uninterrupted one, with retention
+    leaving the newest 3."""
+    out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    flags = ("--train.steps", str(STEPS), "--checkpoint.interval", "1")
+    delay = random.uniform(0, 0.02)
+    torchrun(2, out, *flags, crash=f"staged@3+{delay:.3f}", ok=False)
+    assert complete_steps(root)[:2] == [1, 2], delay
+    newest = complete_steps(root)[-1]
+    partial = [p for step, p in ck.list_checkpoints(root) if step > newest]
+
+    log = torchrun(2, out, *flags, crash="before_marker@9", ok=False)
+    assert f"resuming from {ck.step_dir(root, newest)}" in log
+    assert all(f"skipping {p}" in log for p in partial), (partial, log[-3000:])
+    step9 = ck.step_dir(root, 9)
+    assert (step9 / ".metadata").is_file() and "interrupted before rank 0 committed" in ck.incomplete_reason(step9)
+    assert complete_steps(root) == [6, 7, 8]
+    (step9 / "__7_0.distcp").write_text("left over from a save on more ranks")
+
+    log = torchrun(2, out, *flags)
+    assert f"resuming from {ck.step_dir(root, 8)}" in log and f"skipping {step9}" in log
+    assert f"clearing {step9}" in log and not (step9 / "__7_0.distcp").exists()
+    assert_rows_equal(rows(out), rows(reference), range(1, STEPS + 1))
+    assert [step for step, _ in ck.list_checkpoints(root)] == complete_steps(root) == [8, 9, 10]
+    assert not list(root.rglob(".*.tmp"))
+
+
+def test_stop_signal_to_one_rank_saves_and_exits_0(reference, tmp_path):
+    """SIGTERM to rank 1 only: both ranks stop at the same step, save it, exit 0; time-based saves
+    (interval_minutes, decided by rank 0) happened meanwhile; the resumed run ends bit-identical."""
+    out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = torchrun_cmd(2, out, "--train.steps", "1000", "--checkpoint.interval", "0",
+                       "--checkpoint.interval_minutes", "1e-9")
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, "training never logged a step"
+            time.sleep(0.02)
+        os.kill(worker_pid(proc.pid, local_rank=1), signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    output = (tmp_path / "log").read_text()
+    assert proc.returncode == 0, output[-4000:]
+    stopped = max(rows(out))
+    assert stopped < STEPS - 1, "stopped too late to test the resume"
+    assert f"stopped at step {stopped} on a stop signal" in output and "SIGTERM: finishing the step" in output
+    saved = complete_steps(root)
+    assert saved[-1] == stopped and saved == list(range(stopped - len(saved) + 1, stopped + 1))
+    assert len(saved) == min(3, stopped - 1)  # saves from step 2 on by time; checkpoint.keep=3
+
+    torchrun(2, out, "--train.steps", str(STEPS), "--checkpoint.interval", "0")
+    assert_rows_equal(rows(out), rows(reference), range(1, STEPS + 1))
+
+
+def worker_pid(launcher: int, local_rank: int) -> int:
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == launcher and f"LOCAL_RANK={local_rank}".encode() in environ:
+            return int(entry.name)
+    raise AssertionError(f"no worker with LOCAL_RANK={local_rank} under pid {launcher}")
+
+
+def test_resume_on_other_world_sizes_and_meshes(reference, tmp_path):
+    """2 ranks -> 4 ranks HSDP (2x2) -> 2 ranks with gradient accumulation, the global batch kept at 4: the
+    losses follow the uninterrupted run up to reduction order and every step reads the same samples."""
+    hsdp = tmp_path / "hsdp"
+    log = torchrun(4, hsdp, "--train.steps", str(STEPS), "--train.micro_batch_size", "1", "--parallel.dp_replicate",
+                   "2", "--checkpoint.interval", "3",
+                   "--checkpoint.resume", str(reference / "checkpoints/step_00000004"))
+    assert "saved on 2 ranks, resuming on 4" in log
+    assert_rows_equal(rows(hsdp), rows(reference), range(5, STEPS + 1), rel=1e-5)
+    assert ck.read_trainer_state(hsdp / "checkpoints/step_00000006")["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
+
+    back = tmp_path / "back"
+    log = torchrun(2, back, "--train.steps", str(STEPS), "--train.micro_batch_size", "1",
+                   "--train.grad_accum_steps", "2", "--checkpoint.resume", str(hsdp / "checkpoints/step_00000006"))
+    assert "saved on 4 ranks, resuming on 2" in log
+    assert_rows_equal(rows(back), rows(reference), range(7, STEPS + 1), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- one rank, in process
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    """A finished one-rank run with sync checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("small")
+    train_in_process("--train.steps", "4", "--checkpoint.interval", "2", "--checkpoint.async_mode", "none",
+                     "--train.output_dir", str(out))
+    assert complete_steps(out / "checkpoints") == [2, 4]
+    return out
+
+
+def test_async_and_sync_saves_hold_the_same_tensors(small, tmp_path):
+    """none, async and async_pinned: the same model, optimizer and RNG tensors in every checkpoint, also in one
+    saved while training went on, and the same exported model.pt."""
+    for mode in ("async", "async_pinned"):
+        out = tmp_path / mode
+        train_in_process("--train.steps", "4", "--checkpoint.interval", "2", "--checkpoint.async_mode", mode,
+                         "--train.output_dir", str(out))
+        for step in (2, 4):
+            want = all_tensors(ck.step_dir(small / "checkpoints", step))
+            got = all_tensors(ck.step_dir(out / "checkpoints", step))
+            assert sorted(got) == sorted(want) and any(k.startswith("optim.state.") for k in got)
+            for key in want.keys() - {"rng.rank0.python"}:  # Python's RNG is this test process's, run after run
+                assert torch.equal(got[key], want[key]), (mode, step, key)
+        ck.main(["export", str(out / "checkpoints"), str(tmp_path / f"export_{mode}")])
+    ck.main(["export", str(small / "checkpoints"), str(tmp_path / "export_none")])
+    want = torch.load(tmp_path / "export_none/model.pt")
+    for mode in ("async", "async_pinned"):
+        got = torch.load(tmp_path / f"export_{mode}/model.pt")
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_failing_step_still_commits_the_save_in_flight(tmp_path, monkeypatch):
+    """An error in training while an async save is in flight: the save completes and counts."""
+    import fsdp_trainer.train as train
+    real_step, calls = train.train_step, []
+
+    def failing_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train, "train_step", failing_step)
+    with pytest.raises(RuntimeError, match="injected"):
+        train_in_process("--train.steps", "4", "--checkpoint.interval", "2", "--train.output_dir", str(tmp_path))
+    assert complete_steps(tmp_path / "checkpoints") == [2]
+
+
+def test_pinned_stager_reuses_its_buffers():
+    """async_pinned copies into the same host buffers at every save (torch 2.11's DefaultStager drops them)."""
+    stager = ck.ReusedBufferStager(torch.device("cpu"))
+    state = {"w": torch.ones(4), "nested": {"b": torch.zeros(2)}}
+    first = stager.stage(state)
+    state["w"].add_(1)
+    second = stager.stage(state)
+    assert second["w"].data_ptr() == first["w"].data_ptr() != state["w"].data_ptr()
+    assert torch.equal(second["w"], torch.full((4,), 2.0)) and torch.equal(second["nested"]["b"], torch.zeros(2))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_and_import_round_trip(tmp_path, tied):
+    """Exported model.pt equals the trained model; init_from <checkpoint> and init_from hf:<export> give back
+    exactly the trained weights; transformers' LlamaForCausalLM computes our logits from the export."""
+    flags = ["--train.steps", "3", "--checkpoint.async_mode", "none", "--train.output_dir", str(tmp_path / "run"),
+             "--model.tie_embeddings", str(tied)]
+    trained = full_state(train_in_process(*flags)["model"])
+    ck.main(["export", str(tmp_path / "run/checkpoints/step_00000003"), str(tmp_path / "export")])
+    exported = torch.load(tmp_path / "export/model.pt")
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
+    cfg = parse_args([*TINY, *flags])
+    assert_init_from_gives(cfg, str(tmp_path / "run/checkpoints"), trained)
+
+    pytest.importorskip("safetensors")
+    assert_init_from_gives(cfg, f"hf:{tmp_path / 'export'}", trained)
+    wider = model_args_from_config(parse_args([*TINY, "--model.dim", "128"]).model)
+    with pytest.raises(ck.CheckpointError, match="dim=128 here but 64 there.*--model.dim 64"):
+        ck.load_weights(build(wider, device="cpu"), f"hf:{tmp_path / 'export'}", wider)
+    transformers = pytest.importorskip("transformers")
+    args = model_args_from_config(cfg.model)
+    ours = build(args, device="cpu")
+    ours.load_state_dict(exported)
+    assert (ours.output.weight is ours.tok_embeddings.weight) == tied
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32).eval()
+    tokens = torch.randint(args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours(tokens), atol=1e-5, rtol=1e-5)
+
+
+def assert_init_from_gives(cfg, source: str, want: dict[str, torch.Tensor]) -> None:
+    """A fresh one-rank model restored with checkpoint.init_from=source starts at step 0 with the weights `want`."""
+    cfg.checkpoint.init_from = source
+    cfg.checkpoint.dir = str(Path(cfg.train.output_dir) / "fresh")
+    with one_rank() as info:
+        model, _ = build_model(cfg, distributed.build_mesh("cpu", 1, 1), info.device)
+        optimizer = build_optimizer(model, cfg.optim, info.device)
+        ckpt = ck.Checkpointer(cfg, info, model, optimizer, build_scheduler(optimizer, cfg.optim, cfg.train.steps))
+        assert ckpt.restore() == ck.Progress()
+        got = full_state(model)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), source
+
+
+def test_export_without_safetensors_writes_model_pt_and_says_why(small, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # makes `import safetensors.torch` fail
+    messages = []
+    ck.export(small / "checkpoints", tmp_path / "export", log=messages.append)
+    assert (tmp_path / "export/model.pt").is_file() and not (tmp_path / "export/model.safetensors").exists()
+    assert "skipped the Hugging Face export: it needs safetensors" in messages[-1]
+
+
+def test_rope_row_permutation():
+    """HF's rotate-half RoPE (its own formula) on the permuted q/k rows equals our interleaved RoPE on ours."""
+    from fsdp_trainer.models.llama import apply_rope, rope_table
+    heads, head_dim, seq, theta = 2, 8, 5, 10000.0
+    w, x = torch.randn(heads * head_dim, 16), torch.randn(1, seq, 16)
+    ours = apply_rope((x @ w.T).view(1, seq, heads, head_dim), rope_table(head_dim, seq, theta))
+    q = (x @ ck.to_hf_rows(w, heads).T).view(1, seq, heads, head_dim)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.outer(torch.arange(seq).float(), inv_freq).repeat(1, 2)[:, None]
+    rotate_half = torch.cat([-q[..., head_dim // 2:], q[..., :head_dim // 2]], -1)
+    theirs = q * angles.cos() + rotate_half * angles.sin()
+    rows = ck.to_hf_rows(torch.arange(heads * head_dim).float()[:, None], heads).long().flatten()
+    torch.testing.assert_close(ours.flatten(2)[..., rows], theirs.flatten(2))
+    assert torch.equal(ck.from_hf_rows(ck.to_hf_rows(w, heads), heads), w)
+
+
+def test_shape_mismatch_names_key_and_shapes_and_deletes_nothing(small, capsys):
+    before = tree(small)
+    for resume in (str(small / "checkpoints/step_00000004"), "auto"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*TINY, "--model.dim", "128", "--train.output_dir", str(small), "--checkpoint.resume", resume])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert str(small / "checkpoints/step_00000004") in err
+        assert "model.tok_embeddings.weight has shape [512, 64] in the checkpoint but [512, 128] here" in err
+        assert "--model.dim 64" in err  # what it was saved with
+    assert tree(small) == before
+
+
+def test_resume_refuses_missing_partial_and_corrupt_checkpoints(small, tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(small / "checkpoints", root)
+    cases = {
+        "nothing": (tmp_path / "nope", "no such folder"),
+        "no_marker": (root / "step_00000006", "has no trainer_state.json: the save was interrupted"),
+        "no_metadata": (root / "step_00000008", "has no .metadata: not every rank had finished writing"),
+    }
+    shutil.copytree(root / "step_00000004", root / "step_00000006")
+    (root / "step_00000006" / ck.MARKER).unlink()
+    shutil.copytree(root / "step_00000004", root / "step_00000008")
+    (root / "step_00000008" / ".metadata").unlink()
+    (root / "step_00000008" / ck.MARKER).unlink()
+    latest, skipped = ck.find_latest(root)
+    assert latest == root / "step_00000004" == ck.resolve(root, "--checkpoint.resume")
+    assert [p.name for p, _ in skipped] == ["step_00000008", "step_00000006"]
+
+    truncated = root / "step_00000004" / "__0_0.distcp"
+    truncated.write_bytes(truncated.read_bytes()[:1000])
+    shutil.copytree(root / "step_00000002", root / "step_00000010")
+    (root / "step_00000010" / ".metadata").write_bytes(b"not a pickle")
+    cases["truncated"] = (root / "step_00000004", "could not be read")
+    cases["bad_metadata"] = (root / "step_00000010", "its .metadata cannot be read")
+
+    before = tree(root)
+    for name, (path, message) in cases.items():
+        with pytest.raises(SystemExit):
+            main([*TINY, "--train.output_dir", str(tmp_path / name), "--checkpoint.dir", str(tmp_path / name),
+                  "--checkpoint.resume", str(path)])
+        err = capsys.readouterr().err
+        assert str(path) in err and message in err, (name, err)
+    assert tree(root) == before
+
+
+def test_resume_refuses_to_mix_runs_in_one_folder(small, capsys):
+    for resume in ("none", str(small / "checkpoints/step_00000002")):
+        with pytest.raises(SystemExit):
+            main([*TINY, "--train.output_dir", str(small), "--checkpoint.resume", resume])
+        assert "step_00000004 that this run would mix with its own" in capsys.readouterr().err
+
+
+def test_finished_run_resumes_to_nothing(small, capsys):
+    before = tree(small)
+    main([*TINY, "--train.steps", "4", "--train.output_dir", str(small)])
+    assert "step 4 of train.steps=4 is done already" in capsys.readouterr().err
+    assert tree(small) == before
+
+
+def test_signal_handlers_restored_and_second_signal_exits_at_once():
+    previous = signal.getsignal(signal.SIGTERM)
+    stop = ck.StopSignals(rank=0)
+    stop.install()
+    assert signal.getsignal(signal.SIGTERM) == stop._handle
+    stop.restore()
+    assert signal.getsignal(signal.SIGTERM) == previous
+
+    script = ("import os, signal, time\nfrom fsdp_trainer.checkpoint import StopSignals\n"
+              "s = StopSignals(rank=0); s.install()\n"
+              "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2); print('first:', s.received, flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(10); print('still running')\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 128 + signal.SIGUSR1
+    assert "first: SIGTERM" in proc.stdout and "still running" not in proc.stdout
+    assert "second stop signal (SIGUSR1): exiting now" in proc.stderr

@@ -1,0 +1,368 @@
+"""launch/: shell syntax, the exact torchrun commands the scripts print, two torchrun "nodes" on this machine
+(through launch/multinode.sh), an elastic restart after a killed rank that resumes exactly, and the Slurm
+preemption chain (batch shell -> srun -> relay -> ranks -> checkpoint -> requeue) with stand-ins for srun/scontrol.
+
+Everything runs on the CPU with gloo over loopback; every subprocess has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "launch"
+SCRIPTS = ["run.sh", "multinode.sh", "slurm.sbatch", "relay_signals.sh", "common.sh"]
+TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+        "--model.vocab_size", "320", "--train.seq_len", "32", "--train.micro_batch_size", "2",
+        "--train.log_every", "1", "--data.num_workers", "0", "--parallel.param_dtype", "float32",
+        "--metrics.no_tensorboard", "--optim.warmup_steps", "2"]
+STEPS = 20            # long enough to kill a rank in the middle, short enough for two slow cores
+INTERVAL = 2          # checkpoint every 2 steps: the elastic restart loses at most 2
+RUN_TIMEOUT = 150     # seconds for one launch of a tiny job, start-up and restarts included
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux /proc")
+
+
+def launch_env(tmp_path: Path | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a launch: this interpreter's torchrun first on PATH, stand-ins before it if any."""
+    env = dict(os.environ)
+    path = [str(Path(sys.executable).parent), env.get("PATH", "/usr/bin:/bin")]
+    if tmp_path is not None:
+        path.insert(0, str(tmp_path / "bin"))
+    env["PATH"] = os.pathsep.join(path)
+    for key in ("DRY_RUN", "NGPU", "LOG_RANKS", "LOG_DIR", "TORCHRUN", "HEAD", "NNODES", "JOB_ID", "MAX_RESTARTS",
+                "PORT", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_VISIBLE_DEVICES",
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def script(name: str, *args: str, env: dict[str, str], timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(LAUNCH / name), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def printed_command(output: str) -> list[str]:
+    """The `+ cmd` line a script prints, split back into words (the scripts shell-quote it)."""
+    import shlex
+    lines = [line for line in output.splitlines() if line.startswith("+ ")]
+    assert len(lines) == 1, output
+    return shlex.split(lines[0][2:])
+
+
+def stand_in(tmp_path: Path, name: str, body: str) -> None:
+    """An executable shell script `name` in tmp_path/bin, which launch_env(tmp_path) puts first on PATH."""
+    path = tmp_path / "bin" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------------------------- static checks
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_shell_syntax(name):
+    result = subprocess.run(["bash", "-n", str(LAUNCH / name)], capture_output=True, text=True, timeout=10)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_shellcheck():
+    files = [str(LAUNCH / name) for name in SCRIPTS]
+    result = subprocess.run(["shellcheck", "-x", "-s", "bash", *files], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout
+
+
+def test_run_sh_dry_run():
+    env = launch_env(DRY_RUN="1", NGPU="4")
+    result = script("run.sh", "--config", "configs/debug.toml", "--train.steps", "5", "--parallel.no_compile",
+                    env=env)
+    assert result.returncode == 0, result.stderr
+    cmd = printed_command(result.stdout)
+    assert cmd[0] == "torchrun" and "--standalone" in cmd and "--nproc-per-node=4" in cmd
+    assert "--local-ranks-filter=0" in cmd
+    assert cmd[cmd.index("-m"):] == ["-m", "fsdp_trainer.train", "--config", "configs/debug.toml",
+                                     "--train.steps", "5", "--parallel.no_compile"]
+    all_ranks = script("run.sh", env=launch_env(DRY_RUN="1", NGPU="2", LOG_RANKS="all"))
+    assert not any(w.startswith("--local-ranks-filter") for w in printed_command(all_ranks.stdout))
+
+
+def test_run_sh_runs_torchrun_with_defaults(tmp_path):
+    """Without DRY_RUN the script execs the printed command: a stand-in torchrun shows its arguments and the
+    environment it got. The GPU count comes from nvidia-smi -L, and is 1 (CPU) without nvidia-smi."""
+    stand_in(tmp_path, "torchrun", 'echo "ALLOC=$PYTORCH_CUDA_ALLOC_CONF NCCL_DEBUG=$NCCL_DEBUG"; echo "ARGS $*"\n')
+    result = script("run.sh", "--config", "a b.toml", env=launch_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "ALLOC=expandable_segments:True NCCL_DEBUG=WARN" in result.stdout
+    if shutil.which("nvidia-smi") is None:
+        assert "--nproc-per-node=1 " in result.stdout
+    assert printed_command(result.stdout)[-2:] == ["--config", "a b.toml"]
+    stand_in(tmp_path, "nvidia-smi", 'printf "GPU 0: X (UUID: a)\\nGPU 1: X (UUID: b)\\nGPU 2: X (UUID: c)\\n"\n')
+    result = script("run.sh", env=launch_env(tmp_path, PYTORCH_CUDA_ALLOC_CONF="garbage_collection_threshold:0.8"))
+    assert "--nproc-per-node=3" in result.stdout
+    assert "ALLOC=garbage_collection_threshold:0.8" in result.stdout  # a user's setting wins
+
+
+def test_multinode_dry_run():
+    env = launch_env(DRY_RUN="1", NNODES="2", HEAD="node0", JOB_ID="job7", NGPU="8")
+    result = script("multinode.sh", "--config", "configs/llama3_8b.toml", "--train.steps", "50", env=env)
+    assert result.returncode == 0, result.stderr
+    cmd = printed_command(result.stdout)
+    for flag in ("--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500",
+                 "--rdzv-id=job7", "--max-restarts=3"):
+        assert flag in cmd, (flag, cmd)
+    assert cmd[cmd.index("-m"):] == ["-m", "fsdp_trainer.train", "--config", "configs/llama3_8b.toml",
+                                     "--train.steps", "50"]
+    elastic = script("multinode.sh", env=launch_env(DRY_RUN="1", NNODES="2:4", HEAD="10.0.0.1:1234",
+                                                    MAX_RESTARTS="0", NGPU="1"))
+    cmd = printed_command(elastic.stdout)
+    assert "--nnodes=2:4" in cmd and "--rdzv-endpoint=10.0.0.1:1234" in cmd and "--max-restarts=0" in cmd
+    missing = script("multinode.sh", env=launch_env(DRY_RUN="1", NNODES="2"))
+    assert missing.returncode != 0 and "HEAD" in missing.stderr
+
+
+SLURM_ENV = dict(SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="gpu[07-08]",
+                 SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="96", SLURM_SUBMIT_DIR=str(REPO))
+
+
+def test_slurm_header():
+    header = [line.split(None, 1)[1] for line in (LAUNCH / "slurm.sbatch").read_text().splitlines()
+              if line.startswith("#SBATCH")]
+    for option in ("--ntasks-per-node=1", "--signal=B:USR1@120", "--requeue", "--open-mode=append"):
+        assert option in header, header
+    assert any(o.startswith("--nodes=") for o in header) and any(o.startswith("--gpus-per-node=") for o in header)
+    assert any(o.startswith("--output=") for o in header)
+
+
+@pytest.mark.parametrize("with_scontrol", [False, True])
+def test_slurm_dry_run(tmp_path, with_scontrol):
+    if with_scontrol:  # a stand-in that expands the node list the way scontrol does
+        stand_in(tmp_path, "scontrol", 'test "$1 $2" = "show hostnames" && printf "gpu07\\ngpu08\\n"\n')
+    env = launch_env(tmp_path, DRY_RUN="1", **SLURM_ENV)
+    result = script("slurm.sbatch", "--config", "configs/llama3_8b.toml", "--train.steps", "10", env=env)
+    assert result.returncode == 0, result.stderr
+    cmd = printed_command(result.stdout)
+    assert cmd[:3] == ["srun", "--nodes=2", "--ntasks-per-node=1"] and "--cpus-per-task=96" in cmd
+    relay = cmd.index("bash")
+    assert cmd[relay + 1] == str(LAUNCH / "relay_signals.sh") and cmd[relay + 2] == "torchrun"
+    port = 29500 + 4242 % 1000
+    for flag in ("--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d", f"--rdzv-endpoint=gpu07:{port}",
+                 "--rdzv-id=4242", "--max-restarts=3"):
+        assert flag in cmd, (flag, cmd)
+    assert cmd[cmd.index("-m"):] == ["-m", "fsdp_trainer.train", "--config", "configs/llama3_8b.toml",
+                                     "--train.steps", "10"]
+    outside = script("slurm.sbatch", env=launch_env(tmp_path, DRY_RUN="1"))
+    assert outside.returncode != 0 and "Slurm" in outside.stderr
+
+
+def test_k8s_manifest():
+    yaml = pytest.importorskip("yaml")
+    docs = [d for d in yaml.safe_load_all((LAUNCH / "k8s.yaml").read_text()) if d]
+    kinds = {d["kind"]: d for d in docs}
+    assert set(kinds) == {"PersistentVolumeClaim", "PyTorchJob"}
+    pvc, job = kinds["PersistentVolumeClaim"], kinds["PyTorchJob"]
+    assert job["apiVersion"] == "kubeflow.org/v1"
+    spec = job["spec"]
+    elastic = spec["elasticPolicy"]
+    assert elastic["rdzvBackend"] == "c10d" and elastic["maxRestarts"] >= 1
+    replicas = spec["pytorchReplicaSpecs"]
+    nodes = sum(r["replicas"] for r in replicas.values())
+    assert set(replicas) == {"Master", "Worker"} and replicas["Master"]["replicas"] == 1
+    assert elastic["minReplicas"] == elastic["maxReplicas"] == nodes
+    for role in replicas.values():
+        pod = role["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] >= 120  # a step plus a checkpoint after SIGTERM
+        (container,) = [c for c in pod["containers"] if c["name"] == "pytorch"]
+        cmd = container["command"]
+        assert "torchrun" in cmd and cmd[cmd.index("-m") + 1] == "fsdp_trainer.train" and "--config" in cmd
+        assert f"--nnodes={nodes}" in cmd and f"--max-restarts={elastic['maxRestarts']}" in cmd
+        nproc = int(spec["nprocPerNode"])
+        assert f"--nproc-per-node={nproc}" in cmd and container["resources"]["limits"]["nvidia.com/gpu"] == nproc
+        assert f"--rdzv-endpoint={elastic['rdzvHost']}:{elastic['rdzvPort']}" in cmd
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+        outputs = volumes[mounts[cmd[cmd.index("--train.output_dir") + 1].rsplit("/", 1)[0]]]
+        assert outputs["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    assert "ReadWriteMany" in pvc["spec"]["accessModes"]
+
+
+# ------------------------------------------------------------------------------------ real multi-process runs
+
+def children(pid: int) -> list[int]:
+    """Direct children of pid, from /proc (as launch/relay_signals.sh finds torchrun's ranks)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    kids = children(pid)
+    return kids + [d for k in kids for d in descendants(k)]
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """Kill a launch we started and every process under it (torchrun starts workers in their own sessions)."""
+    if proc.poll() is None:
+        for pid in [proc.pid] + descendants(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    proc.wait(timeout=10)
+
+
+def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            stop_tree(p)
+
+
+def rows(output_dir: Path) -> list[dict]:
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def wait_for_step(output_dir: Path, step: int, procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r["step"] >= step for r in rows(output_dir)):
+            return
+        assert all(p.poll() is None for p in procs), "a launch exited before the run got going"
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} in {output_dir}/metrics.jsonl after {timeout} s")
+
+
+def two_nodes(output_dir: Path, logs: Path, *extra: str, max_restarts: int = 0) -> list[subprocess.Popen]:
+    """The same multinode.sh command twice, as on two machines: NNODES=2, one process each, c10d on loopback."""
+    env = launch_env(NNODES="2", NGPU="1", HEAD=f"127.0.0.1:{free_port()}", JOB_ID=f"test-{output_dir.name}",
+                     MAX_RESTARTS=str(max_restarts))
+    args = ["bash", str(LAUNCH / "multinode.sh"), *TINY, "--train.steps", str(STEPS), "--checkpoint.interval",
+            str(INTERVAL), "--train.output_dir", str(output_dir), *extra]
+    logs.mkdir(parents=True, exist_ok=True)
+    return [start(args, env, logs / f"node{i}.log") for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """One 2-node run to the end: the reference for the elastic test."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    started = time.monotonic()
+    procs = two_nodes(root / "out", root / "logs")
+    codes = wait_all(procs, RUN_TIMEOUT)
+    logs = [(root / "logs" / f"node{i}.log").read_text() for i in range(2)]
+    return {"dir": root / "out", "codes": codes, "logs": logs, "seconds": time.monotonic() - started}
+
+
+@needs_proc
+def test_two_nodes(uninterrupted):
+    assert uninterrupted["codes"] == [0, 0], "\n\n".join(uninterrupted["logs"])
+    joined = "\n".join(uninterrupted["logs"])
+    assert "--nnodes=2" in joined and "--rdzv-backend=c10d" in joined  # each printed its torchrun command
+    assert "mesh {'dp_shard': 2}" in joined, joined
+    out = uninterrupted["dir"]
+    assert [r["step"] for r in rows(out)] == list(range(1, STEPS + 1))
+    final = out / "checkpoints" / f"step_{STEPS:08d}"
+    assert (final / "trainer_state.json").is_file(), sorted(p.name for p in (out / "checkpoints").iterdir())
+    print(f"two-node run: {uninterrupted['seconds']:.1f} s")
+
+
+@needs_proc
+def test_elastic_restart_resumes_exactly(uninterrupted, tmp_path):
+    """SIGKILL one node's training process mid-run: torchrun restarts the group (max-restarts 1), the ranks resume
+    from the newest complete checkpoint, and every logged loss equals the uninterrupted run's."""
+    assert uninterrupted["codes"] == [0, 0], "the reference run failed; see test_two_nodes"
+    out = tmp_path / "out"
+    procs = two_nodes(out, tmp_path / "logs", max_restarts=1)
+    try:
+        wait_for_step(out, 2 * INTERVAL + 1, procs, timeout=RUN_TIMEOUT)
+        # multinode.sh execs torchrun, so the launch's pid is the agent's and its children are the ranks.
+        (victim,) = children(procs[1].pid)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = max(r["step"] for r in rows(out))
+    except BaseException:
+        for p in procs:
+            stop_tree(p)
+        raise
+    codes = wait_all(procs, RUN_TIMEOUT)
+    logs = "\n\n".join((tmp_path / "logs" / f"node{i}.log").read_text() for i in range(2))
+    assert codes == [0, 0], logs
+    assert "resuming from" in logs, logs
+    assert killed_at < STEPS, f"the run had finished (step {killed_at}) before the kill landed"
+    got, want = rows(out), rows(uninterrupted["dir"])
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=0), (g, w)
+    print(f"killed a rank after step {killed_at}; final loss {got[-1]['loss']!r} vs uninterrupted "
+          f"{want[-1]['loss']!r} ({'bit-identical' if got[-1]['loss'] == want[-1]['loss'] else 'within 1e-6'})")
+
+
+@needs_proc
+def test_slurm_preemption_chain(tmp_path):
+    """slurm.sbatch with stand-ins for srun and scontrol on one "node" of 2 ranks, DataLoader workers on:
+    SIGUSR1 to the batch shell (what --signal=B:USR1@120 does) must reach every rank exactly once through srun
+    and relay_signals.sh, leave a complete checkpoint of the last step, exit 0 and requeue the job."""
+    calls = tmp_path / "calls.log"
+    stand_in(tmp_path, "scontrol", f'echo "scontrol $*" >> "{calls}"\n'
+             'if [ "$1 $2" = "show hostnames" ]; then echo localhost; fi\n')
+    # Like srun: run the task (here on this machine only) and forward SIGUSR1 to it.
+    stand_in(tmp_path, "srun", f'echo "srun $*" >> "{calls}"\n'
+             'while [[ "$1" == --* ]]; do shift; done\n'
+             '"$@" & task=$!\n'
+             'trap \'kill -USR1 "$task"\' USR1\n'
+             'while kill -0 "$task" 2>/dev/null; do wait "$task" || true; done\n'
+             'wait "$task"\n')
+    out = tmp_path / "out"
+    env = launch_env(tmp_path, SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="localhost",
+                     SLURM_SUBMIT_DIR=str(REPO), NGPU="2", HEAD="127.0.0.1", PORT=str(free_port()),
+                     LOG_RANKS="all")
+    args = [*TINY, "--data.num_workers", "1", "--train.steps", "400", "--checkpoint.interval", "0",
+            "--train.output_dir", str(out)]
+    proc = start(["bash", str(LAUNCH / "slurm.sbatch"), *args], env, tmp_path / "job.log")
+    try:
+        wait_for_step(out, 3, [proc], timeout=RUN_TIMEOUT)
+        proc.send_signal(signal.SIGUSR1)
+        code = proc.wait(timeout=RUN_TIMEOUT)
+    finally:
+        stop_tree(proc)
+    log = (tmp_path / "job.log").read_text()
+    assert code == 0, log
+    last = max(r["step"] for r in rows(out))
+    assert last < 400 and "stopped at step" in log, log
+    assert log.count("SIGUSR1: finishing the step") == 2, log  # each rank got exactly one signal
+    assert (out / "checkpoints" / f"step_{last:08d}" / "trainer_state.json").is_file()
+    assert "scontrol requeue 77" in calls.read_text(), calls.read_text()
