@@ -15,6 +15,8 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 if [[ " $* " != *" --8b "* ]]; then
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:warnings 2>&1 | tail -60
   python3 benchmarks/attention.py
+  if [ "$NGPU" -gt 1 ]; then python3 benchmarks/collectives.py --nproc "$NGPU"; fi
+  python3 benchmarks/plan_accuracy.py --nproc "$NGPU"
   python3 benchmarks/throughput.py --config configs/llama3_1b.toml --nproc "$NGPU" --steps 30 --name llama3_1b \
     --variant "eager noAC=--ac.mode none --parallel.no_compile" \
     --variant "compiled noAC=--ac.mode none" \
@@ -23,5 +25,7 @@ else
   python3 benchmarks/throughput.py --config configs/llama3_8b.toml --nproc "$NGPU" --steps 20 --name llama3_8b \
     --variant "eager opAC=--ac.mode op --parallel.no_compile" \
     --variant "compiled opAC=--ac.mode op"
+  python3 benchmarks/checkpoint_io.py --config configs/llama3_8b.toml --nproc "$NGPU" --steps 8 --interval 4 \
+    -- --parallel.no_compile
 fi
 if [ -n "${OUT:-}" ]; then cp -r benchmarks/results/. "$OUT"/; fi

@@ -488,8 +488,11 @@ class Checkpointer:
             # The run is over: reading every tensor of a large model only to stop would take minutes.
             logger.info(f"{path} holds step {progress.step}")
             return progress
+        start = time.perf_counter()
         rng = self._read(path, metadata, model_sd, optim_sd, state["world_size"])
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        seconds, size = time.perf_counter() - start, _size_bytes(path)
+        logger.info(f"loaded {path}: {size / 1e9:.3f} GB in {seconds:.2f} s ({size / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("grad_scaler"):
             self.scaler.load_state_dict(state["grad_scaler"])

@@ -49,11 +49,12 @@ def setup_logging(rank: int) -> None:
 
 def init(timeout_s: float = 600.0) -> DistInfo:
     """Start (or join) the default process group: NCCL with one GPU per rank, else gloo on CPU."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    under_launcher = "RANK" in os.environ
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # Without a launcher: a one-rank group on a free local port. Passed directly rather than through
+    # os.environ, so that processes this one starts do not mistake themselves for ranks of it.
+    group_args = {} if under_launcher else dict(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     setup_logging(rank)
     timeout = datetime.timedelta(seconds=timeout_s)
     if torch.cuda.is_available():
@@ -64,12 +65,12 @@ def init(timeout_s: float = 600.0) -> DistInfo:
         torch.cuda.set_device(device)
         # device_id binds the communicator to this GPU eagerly, so a broken NCCL set-up fails here, not mid-step.
         if not dist.is_initialized():
-            dist.init_process_group("nccl", timeout=timeout, device_id=device)
+            dist.init_process_group("nccl", timeout=timeout, device_id=device, **group_args)
         backend = "nccl"
     else:
         device = torch.device("cpu")
         if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=timeout)
+            dist.init_process_group("gloo", timeout=timeout, **group_args)
         backend = "gloo"
     return DistInfo(rank, world_size, local_rank, device, backend)
 

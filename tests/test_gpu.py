@@ -61,3 +61,26 @@ def test_memory_limit_caps_the_process(info, tmp_path):
     with pytest.raises(torch.OutOfMemoryError):
         torch.empty(3 * 1024 ** 3, dtype=torch.uint8, device="cuda")
     torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_nonfinite_update_is_skipped_on_the_device_by_fused_adamw(info, tmp_path):
+    from fsdp_trainer.faults import NonFiniteGuard
+    model, optimizer = (lambda r: (r["model"], r["optimizer"]))(_run(info, tmp_path, train={"steps": 2}))
+    assert optimizer.defaults["fused"]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = [s["exp_avg"].clone() for s in optimizer.state.values()]
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    guard = NonFiniteGuard(torch.device("cuda"), "skip", 10, start_step=2)
+    guard.step(optimizer, torch.tensor(float("nan"), device="cuda"))
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach().full_tensor(), before[name].full_tensor()), name
+    for state, moment in zip(optimizer.state.values(), moments):
+        assert torch.equal(state["exp_avg"], moment)
+    assert guard.check() == 1
+
+
+def test_deterministic_mode_reproduces_losses_exactly(info, tmp_path):
+    first = _run(info, tmp_path / "a", train={"steps": 5, "deterministic": True})["history"]
+    second = _run(info, tmp_path / "b", train={"steps": 5, "deterministic": True})["history"]
+    assert [r["loss"] for r in first] == [r["loss"] for r in second]
