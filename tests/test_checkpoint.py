@@ -6,7 +6,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from fsdp_trainer.models.llama import build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler
 from fsdp_trainer.train import build_model, main, run
 
+from helpers import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model.name", "debug", "--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
         "--model.n_kv_heads", "2", "--train.seq_len", "32", "--train.micro_batch_size", "2",
@@ -34,12 +35,6 @@ TINY = ["--model.name", "debug", "--model.n_layers", "2", "--model.dim", "64", "
 # Within the default 20 warmup steps the learning rate rises every step and does not depend on train.steps, so a
 # scheduler resumed at the wrong step shows in the losses, and runs of different lengths stay comparable.
 STEPS = 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_cmd(nproc: int, out: Path, *flags: str) -> list[str]:
@@ -222,6 +217,16 @@ def test_resume_on_other_world_sizes_and_meshes(reference, tmp_path):
                    "--train.grad_accum_steps", "2", "--checkpoint.resume", str(hsdp / "checkpoints/step_00000006"))
     assert "saved on 4 ranks, resuming on 2" in log
     assert_rows_equal(rows(back), rows(reference), range(7, STEPS + 1), rel=1e-5)
+
+
+def test_saved_on_8_ranks_resumes_on_4(tmp_path):
+    """The 8-GPU node's checkpoint continued on half the GPUs: 8 x 1 sample per step, then 4 x 2."""
+    eight = tmp_path / "eight"
+    torchrun(8, eight, "--train.steps", "6", "--train.micro_batch_size", "1", "--checkpoint.interval", "3")
+    four = tmp_path / "four"
+    log = torchrun(4, four, "--train.steps", "6", "--checkpoint.resume", str(eight / "checkpoints/step_00000003"))
+    assert "saved on 8 ranks, resuming on 4" in log
+    assert_rows_equal(rows(four), rows(eight), range(4, 7), rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------------- one rank, in process

@@ -211,13 +211,13 @@ def test_k8s_manifest():
 def children(pid: int) -> list[int]:
     """Direct children of pid, from /proc (as launch/relay_signals.sh finds torchrun's ranks)."""
     kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc_stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = proc_stat.read_text().rsplit(")", 1)[1].split()
         except OSError:  # gone meanwhile
             continue
         if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
+            kids.append(int(proc_stat.parent.name))
     return kids
 
 
