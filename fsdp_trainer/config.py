@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import sys
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
@@ -252,10 +253,30 @@ def _build(cls: type, raw: dict[str, Any], source: str, prefix: str):
             if not isinstance(value, dict):
                 raise ConfigError(f"{source}: '{prefix}{key}' must be a [{prefix}{key}] table")
             value = _build(sub, value, source, prefix=f"{prefix}{key}.")
-        elif isinstance(value, list):
-            value = tuple(value)
+        else:
+            value = _checked(value, typing.get_type_hints(cls)[key], f"{source}: {prefix}{key}")
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _checked(value: Any, annotation: Any, where: str) -> Any:
+    """A TOML value checked against its field's type (the CLI gets the same checks from tyro)."""
+    options = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        if value not in options:
+            raise ConfigError(f"{where} = {value!r} is not one of {', '.join(map(repr, options))}")
+        return value
+    if origin is typing.Union:  # Optional[X]
+        return _checked(value, next(t for t in options if t is not type(None)), where)
+    if origin is tuple:
+        if not isinstance(value, list) or len(value) != len(options):
+            raise ConfigError(f"{where} = {value!r}: expected a list of {len(options)} numbers")
+        return tuple(_checked(v, t, where) for v, t in zip(value, options))
+    expected = {float: (int, float), int: int, bool: bool, str: str, Path: str}.get(annotation)
+    if expected and (not isinstance(value, expected) or (annotation is not bool and isinstance(value, bool))):
+        raise ConfigError(f"{where} = {value!r}: expected {annotation.__name__}")
+    return float(value) if annotation is float else Path(value) if annotation is Path else value
 
 
 def _section_type(cls: type, name: str) -> Optional[type]:

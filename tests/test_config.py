@@ -127,3 +127,25 @@ def test_bad_flag_value_is_rejected_by_the_cli():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "bfloat16" in out.stdout + out.stderr  # the valid choices are listed
+
+
+@pytest.mark.parametrize("text,message", [
+    ('[parallel]\nparam_dtype = "bf16"\n', "parallel.param_dtype = 'bf16' is not one of 'auto', 'bfloat16'"),
+    ('[train]\nsteps = "10"\n', "train.steps = '10': expected int"),
+    ('[train]\ndeterministic = 1\n', "train.deterministic = 1: expected bool"),
+    ('[optim]\nbetas = [0.9]\n', "optim.betas = [0.9]: expected a list of 2 numbers"),
+    ('[model]\ndim = 1.5\n', "model.dim = 1.5: expected int"),
+])
+def test_toml_values_are_type_checked_like_flags(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_toml(path)
+
+
+def test_toml_numbers_are_coerced_where_a_float_is_expected(tmp_path):
+    path = tmp_path / "ok.toml"
+    path.write_text('[optim]\nlr = 1\nbetas = [0.9, 1]\n[memory]\nlimit_gib = 40\n')
+    cfg = load_toml(path)
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float) and cfg.optim.betas == (0.9, 1.0)
+    assert cfg.memory.limit_gib == 40.0

@@ -367,3 +367,24 @@ def test_setting_errors_name_the_field(tmp_path):
 def test_stdlib_needs_257_tokens(real_stdlib_cache):
     with pytest.raises(ConfigError, match="model.vocab_size=256.*--model.vocab_size 257"):
         check_source(DataConfig(source="stdlib", cache_dir=real_stdlib_cache), 256, 256)
+
+
+def test_prepare_with_a_hugging_face_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    texts = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps all day long"] * 20
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(
+        vocab_size=60, special_tokens=["[UNK]", "<|endoftext|>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    for i, text in enumerate(texts[:4]):
+        (tmp_path / f"doc{i}.txt").write_text(text)
+    prepare([str(tmp_path / f"doc{i}.txt") for i in range(4)], str(tmp_path / "out"),
+            tokenizer=str(tmp_path / "tokenizer.json"), log=lambda *a: None)
+    stream = load_shards(str(tmp_path / "out"), "test")
+    tokens = stream.read(0, len(stream)).tolist()
+    eos = tok.token_to_id("<|endoftext|>")
+    expected = []
+    for i, text in enumerate(texts[:4]):
+        expected += ([eos] if i else []) + tok.encode(text).ids
+    assert tokens == expected
