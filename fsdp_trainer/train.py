@@ -122,7 +122,7 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     guard = NonFiniteGuard(device, t.on_nonfinite, t.max_skipped_steps)
     ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, before_save=guard.check)
     progress = ckpt.restore()
-    guard.step_number = progress.step
+    guard.step_number = progress.step  # so that a skipped step is reported by its number in the whole run
     if progress.step >= t.steps:
         logger.info(f"step {progress.step} of train.steps={t.steps} is done already: nothing to train "
                     "(raise --train.steps to continue)")
@@ -145,7 +145,7 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     watchdog = Watchdog(info.rank, info.world_size, cfg.dist.init_timeout_s, cfg.dist.timeout_s)
     metrics.start(progress.step)
     rows_file = start_rows_file(output_dir, progress.step) if info.is_main else None
-    history = []
+    history, memory_compared = [], memory_plan is None
     try:
         with ckpt.stop_signals():
             while progress.step < t.steps:
@@ -156,8 +156,9 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
                 watchdog.beat(progress.step)
                 if progress.step % t.log_every == 0 or progress.step == t.steps:
                     extra = {"consumed_samples": progress.consumed_samples, "skipped_steps": guard.check()}
-                    if memory_plan and len(history) == 0:
+                    if not memory_compared and progress.step >= 2:  # the plan is of steps with AdamW state
                         extra.update(planned_vs_measured(memory_plan, device))
+                        memory_compared = True
                     row = metrics.log(progress.step, mean_over_ranks(loss, info.world_size), grad_norm.item(),
                                       scheduler.get_last_lr()[0], extra=extra)
                     history.append({"step": progress.step, **row})
