@@ -84,3 +84,25 @@ def test_deterministic_mode_reproduces_losses_exactly(info, tmp_path):
     first = _run(info, tmp_path / "a", train={"steps": 5, "deterministic": True})["history"]
     second = _run(info, tmp_path / "b", train={"steps": 5, "deterministic": True})["history"]
     assert [r["loss"] for r in first] == [r["loss"] for r in second]
+
+
+def _train_cli(tmp_path, *flags):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--train.output_dir", str(tmp_path),
+                           "--data.source", "synthetic", "--checkpoint.no_save_final", *flags],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_a_run_the_plan_rejects_stops_before_allocating(tmp_path):
+    proc = _train_cli(tmp_path, "--model.name", "70b", "--train.seq_len", "8192", "--train.micro_batch_size", "1")
+    assert proc.returncode == 2
+    assert "DOES NOT FIT" in proc.stderr and "--memory.ignore_plan" in proc.stderr
+
+
+def test_cuda_oom_names_rank_phase_and_plan(tmp_path):
+    proc = _train_cli(tmp_path, "--model.name", "1b", "--train.seq_len", "4096", "--train.micro_batch_size", "4",
+                      "--memory.limit_gib", "20", "--memory.ignore_plan", "--memory.oom_snapshot")
+    assert proc.returncode != 0
+    assert "rank 0: CUDA out of memory during" in proc.stderr
+    assert "the memory plan predicted" in proc.stderr and "memory snapshot" in proc.stderr
