@@ -8,9 +8,8 @@
 #   - the agent handles only TORCHELASTIC_SIGNALS_TO_HANDLE (default SIGTERM,SIGINT,SIGHUP,SIGQUIT); SIGUSR1
 #     keeps its default action and kills the agent, leaving the workers orphaned;
 #   - on SIGTERM it runs os.killpg() on each worker's process group (workers start with start_new_session=True),
-#     which also kills the DataLoader worker processes in that group: the trainer then dies with "DataLoader
-#     worker (pid N) is killed by signal: Terminated" before it can save. It SIGKILLs whatever is left after
-#     30 s and exits 1.
+#     which also reaches the DataLoader worker processes in that group (they ignore it: see data.py), and it
+#     SIGKILLs whatever is left after 30 s and exits 1, so a save that takes longer is lost.
 # So this script signals only the training processes (torchrun's direct children, one per local rank) with
 # kill(2), not killpg(2): the trainer finishes its step, saves, exits 0, and torchrun then exits 0 on its own.
 # The trainer treats a second stop signal as "exit now", so each signal is relayed once and never
