@@ -65,7 +65,8 @@ def test_memory_limit_caps_the_process(info, tmp_path):
 
 def test_nonfinite_update_is_skipped_on_the_device_by_fused_adamw(info, tmp_path):
     from fsdp_trainer.faults import NonFiniteGuard
-    model, optimizer = (lambda r: (r["model"], r["optimizer"]))(_run(info, tmp_path, train={"steps": 2}))
+    result = _run(info, tmp_path, train={"steps": 2})
+    model, optimizer = result["model"], result["optimizer"]
     assert optimizer.defaults["fused"]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     moments = [s["exp_avg"].clone() for s in optimizer.state.values()]
