@@ -177,7 +177,7 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     finally:
         watchdog.stop()
         metrics.close()
-    return {"step": progress.step, "history": history, "model": model, "optimizer": optimizer}
+    return {"step": progress.step, "history": history, "model": model, "optimizer": optimizer, "scaler": scaler}
 
 
 def planned_vs_measured(memory_plan: Plan, device: torch.device) -> dict:

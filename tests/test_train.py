@@ -27,7 +27,9 @@ def train_and_gather(cfg):
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     optim_dtypes = {s["exp_avg"].dtype for s in result["optimizer"].state.values()} if "optimizer" in result else None
     local_param_dtypes = {p.to_local().dtype if hasattr(p, "to_local") else p.dtype for p in model.parameters()}
+    scaler = result.get("scaler")
     return {"history": result["history"], "state": state if info.rank == 0 else None,
+            "loss_scale": scaler.get_scale() if scaler else None,
             "tied": model.output.weight is model.tok_embeddings.weight,
             "optim_dtypes": optim_dtypes, "param_dtypes": local_param_dtypes}
 
@@ -161,7 +163,8 @@ def test_float16_with_loss_scaling_trains_under_fsdp(tmp_path):
     """The float16 path (GPUs without bf16): torch.amp's scaler on FSDP2's DTensor gradients, over real ranks.
     The CLI allows float16 only on CUDA; run() itself works on CPU, which is what this checks."""
     cfg = tiny_config(parallel={"param_dtype": "float16"}, train={"output_dir": str(tmp_path), "steps": 12})
-    history = run_ranks(train_and_gather, 2, cfg)[0]["history"]
-    losses = [r["loss"] for r in history]
+    result = run_ranks(train_and_gather, 2, cfg)[0]
+    assert result["loss_scale"] is not None and 0 < result["loss_scale"] <= 2.0 ** 16  # the scaler was in use
+    losses = [r["loss"] for r in result["history"]]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5
