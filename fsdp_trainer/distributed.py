@@ -32,7 +32,8 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host right now (for a one-rank group, or a launcher's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -54,7 +55,7 @@ def init(timeout_s: float = 600.0) -> DistInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     # Without a launcher: a one-rank group on a free local port. Passed directly rather than through
     # os.environ, so that processes this one starts do not mistake themselves for ranks of it.
-    group_args = {} if under_launcher else dict(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    group_args = {} if under_launcher else dict(init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     setup_logging(rank)
     timeout = datetime.timedelta(seconds=timeout_s)
     if torch.cuda.is_available():

@@ -626,7 +626,7 @@ def try_fixes(args: DoctorArgs) -> int:
 
     def attempt(setting: dict[str, str]) -> tuple[Optional[dict], str]:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={distributed._free_port()}", "-m", "fsdp_trainer.doctor", "--json", *flags]
+               f"--master_port={distributed.free_port()}", "-m", "fsdp_trainer.doctor", "--json", *flags]
         env = os.environ | {"PYTHONPATH": pythonpath} | setting
         # Its own session, so that a group that outlives every deadline can be killed whole, workers included.
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

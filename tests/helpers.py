@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
 from fsdp_trainer.config import Config
+from fsdp_trainer.distributed import free_port  # noqa: F401 - re-exported for the tests
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Command-line flags for a model and batch small enough that a few steps on several CPU ranks take seconds.
+TINY_FLAGS = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+              "--model.vocab_size", "320", "--train.seq_len", "32", "--train.micro_batch_size", "2",
+              "--train.log_every", "1", "--data.num_workers", "0", "--parallel.param_dtype", "float32",
+              "--metrics.no_tensorboard"]
 
 
 def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
@@ -60,7 +60,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
 
 
 def tiny_config(**sections) -> Config:
-    """A model and batch small enough that a few steps on several CPU ranks take seconds."""
+    """TINY_FLAGS as a Config, with `sections` ({"train": {"steps": 3}, ...}) set on top."""
     cfg = Config()
     cfg.model.n_layers, cfg.model.dim, cfg.model.n_heads, cfg.model.n_kv_heads = 2, 64, 4, 2
     cfg.model.vocab_size = 320

@@ -25,13 +25,10 @@ from fsdp_trainer.models.llama import build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler
 from fsdp_trainer.train import build_model, main, run
 
-from helpers import free_port
+from helpers import TINY_FLAGS, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--model.name", "debug", "--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4",
-        "--model.n_kv_heads", "2", "--train.seq_len", "32", "--train.micro_batch_size", "2",
-        "--parallel.param_dtype", "float32", "--data.source", "synthetic", "--data.num_workers", "0",
-        "--metrics.no_tensorboard", "--train.log_every", "1"]
+TINY = [*TINY_FLAGS, "--data.source", "synthetic"]
 # Within the default 20 warmup steps the learning rate rises every step and does not depend on train.steps, so a
 # scheduler resumed at the wrong step shows in the losses, and runs of different lengths stay comparable.
 STEPS = 10
@@ -364,7 +361,7 @@ def test_shape_mismatch_names_key_and_shapes_and_deletes_nothing(small, capsys):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert str(small / "checkpoints/step_00000004") in err
-        assert "model.tok_embeddings.weight has shape [512, 64] in the checkpoint but [512, 128] here" in err
+        assert "model.tok_embeddings.weight has shape [320, 64] in the checkpoint but [320, 128] here" in err
         assert "--model.dim 64" in err  # what it was saved with
     assert tree(small) == before
 

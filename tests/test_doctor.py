@@ -5,7 +5,6 @@ Every run is a subprocess with its own timeout, so a doctor that hangs fails its
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,21 +15,17 @@ import pytest
 from fsdp_trainer import doctor
 from fsdp_trainer.doctor import FAULT_VAR, DoctorArgs, bus_factor, parse_sizes
 
+from helpers import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv_ring"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_doctor(*args: str, nproc: int = 0, fault: str = "", timeout: float = 60):
     """(completed process, seconds) of `python -m fsdp_trainer.doctor`, under torchrun when nproc > 0."""
     launcher = [sys.executable]
     if nproc:
-        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}"]
+        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
     env = {k: v for k, v in os.environ.items() if k != FAULT_VAR} | {"PYTHONPATH": str(ROOT)}
     if fault:
         env[FAULT_VAR] = fault

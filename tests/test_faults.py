@@ -11,13 +11,10 @@ from pathlib import Path
 
 import torch
 
-from helpers import free_port
+from helpers import TINY_FLAGS, free_port
 
 WORKER = Path(__file__).with_name("fault_worker.py")
-TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--model.vocab_size", "320", "--train.seq_len", "32", "--train.micro_batch_size", "2",
-        "--train.log_every", "1", "--data.num_workers", "0", "--data.source", "synthetic",
-        "--parallel.param_dtype", "float32", "--metrics.no_tensorboard"]
+TINY = [*TINY_FLAGS, "--data.source", "synthetic"]
 
 
 def launch(fault: str, rank: str, step: int, tmp_path: Path, *flags: str, nproc: int = 2, timeout: float = 180):

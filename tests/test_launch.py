@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -20,13 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import TINY_FLAGS, free_port
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch"
 SCRIPTS = ["run.sh", "multinode.sh", "slurm.sbatch", "relay_signals.sh", "common.sh"]
-TINY = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-        "--model.vocab_size", "320", "--train.seq_len", "32", "--train.micro_batch_size", "2",
-        "--train.log_every", "1", "--data.num_workers", "0", "--parallel.param_dtype", "float32",
-        "--metrics.no_tensorboard", "--optim.warmup_steps", "2"]
+TINY = [*TINY_FLAGS, "--optim.warmup_steps", "2"]
 STEPS = 20            # long enough to kill a rank in the middle, short enough for two slow cores
 INTERVAL = 2          # checkpoint every 2 steps: the elastic restart loses at most 2
 RUN_TIMEOUT = 150     # seconds for one launch of a tiny job, start-up and restarts included
@@ -68,12 +66,6 @@ def stand_in(tmp_path: Path, name: str, body: str) -> None:
     path.parent.mkdir(exist_ok=True)
     path.write_text("#!/usr/bin/env bash\n" + body)
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------------------------- static checks
