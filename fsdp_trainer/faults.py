@@ -4,8 +4,10 @@ non-finite steps that are never applied, and out-of-memory reports.
 A dead rank is noticed by torchrun, which stops the others within seconds. A *hung* rank is the hard case: the
 others wait in their next collective for as long as its timeout. Every rank therefore runs a watchdog thread.
 When its own step has not finished for `init_timeout_s` (until the first step is done, which includes
-compilation) or `timeout_s` (afterwards), it reads the other ranks' heartbeats from the c10d store. Those are
-written after every step, over TCP, with no GPU sync. It then reports which ranks are behind and exits the process.
+compilation) or `timeout_s` (afterwards), it writes to the c10d store (a TCP side channel that works while the
+collectives do not) its last finished step and whether its main thread waits inside torch.distributed or is
+busy elsewhere. Every stalled rank does the same at about the same time. It then reads the others' reports,
+names the suspects, and exits the process. Nothing is written per step: the training loop pays nothing.
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ import torch.distributed as dist
 from fsdp_trainer.distributed import logger
 
 EXIT_HANG = 3
-HEARTBEAT = "fsdp_trainer/heartbeat/{}"
-WHERE = "fsdp_trainer/where/{}"
+REPORT = "fsdp_trainer/stalled/{}"
 
 
 def enable_flight_recorder(output_dir: Path) -> None:
@@ -75,7 +76,6 @@ class Watchdog:
         """Record that `step` finished. After the first one, switch to the steady-state timeout and make the
         process group's own timeout a backstop just behind it."""
         self.step, self.last_progress = step, time.monotonic()
-        self.store.set(HEARTBEAT.format(self.rank), str(step))
         if self.timeout != self.timeout_s:
             self.timeout = self.timeout_s
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.timeout_s + 60))
@@ -100,7 +100,7 @@ class Watchdog:
                 continue
             try:
                 # Say where this rank is stuck, then give the other ranks' watchdogs time to say the same.
-                self.store.set(WHERE.format(self.rank), json.dumps(_main_thread_location()))
+                self.store.set(REPORT.format(self.rank), json.dumps([self.step, *_main_thread_location()]))
                 time.sleep(2 * poll)
                 logger.error(self.report())
             finally:
@@ -116,23 +116,22 @@ class Watchdog:
         waited = time.monotonic() - self.last_progress
         try:
             self.store.set_timeout(datetime.timedelta(seconds=5))
-            steps, where = {}, {}
+            reports = {}
             for r in range(self.world_size):
-                beat, loc = HEARTBEAT.format(r), WHERE.format(r)
-                steps[r] = int(self.store.get(beat)) if self.store.check([beat]) else 0
-                where[r] = json.loads(self.store.get(loc)) if self.store.check([loc]) else None
+                key = REPORT.format(r)
+                reports[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
         except Exception as err:  # noqa: BLE001 - the store lives on rank 0's host; it may be gone too
             return (f"rank {self.rank}: no progress for {waited:.0f} s after step {self.step}, and the c10d store "
                     f"(on the rendezvous host) cannot be reached ({err}); the job's head node or rank 0 is down")
-        high = max(steps.values())
-        suspects = {r: f"finished step {s} while others finished step {high}" for r, s in steps.items() if s < high}
-        for r, loc in where.items():
-            if r in suspects:
-                continue
-            if loc is None:
+        high = max(report[0] for report in reports.values() if report)
+        suspects = {}
+        for r, report in reports.items():
+            if report is None:
                 suspects[r] = "sent no report: dead, or its host is unreachable"
-            elif not loc[0]:
-                suspects[r] = f"busy outside any collective, at {loc[1]}"
+            elif report[0] < high:
+                suspects[r] = f"finished step {report[0]} while others finished step {high}"
+            elif not report[1]:
+                suspects[r] = f"busy outside any collective, at {report[2]}"
         if suspects:
             verdict = "suspect rank(s): " + "; ".join(f"{r} ({why})" for r, why in sorted(suspects.items()))
         else:
