@@ -49,8 +49,10 @@ def main() -> None:
             print(f"{row['variant']:>28}  planned {row.get('planned_peak_gib', float('nan')):6.2f} GiB  measured "
                   f"{row.get('measured_peak_gib', float('nan')):6.2f} GiB  error {row.get('error_pct', float('nan')):+.1f}%"
                   + (f"  FAILED: {row['error']}" if "error" in row else ""), flush=True)
-    write_results(result_dir(args.nproc), "plan_accuracy", rows, command=shlex.join([sys.executable, *sys.argv]),
-                  plot=("error_pct", "planned vs measured peak, %"))
+            # Rewritten after every row: a matrix cut off by a time limit keeps what it measured.
+            write_results(result_dir(args.nproc), "plan_accuracy", rows,
+                          command=shlex.join([sys.executable, *sys.argv]),
+                          plot=("error_pct", "planned vs measured peak, %"))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ COLUMNS = [("tokens/s/GPU", "tokens_per_s_per_gpu", "{:,.0f}"), ("TFLOPs/GPU", "
            ("MFU %", "mfu", "{:.1%}"), ("active GiB", "mem_active_gib", "{:.1f}"),
            ("reserved GiB", "mem_reserved_gib", "{:.1f}"), ("planned peak GiB", "planned_peak_gib", "{:.1f}"),
            ("measured peak GiB", "measured_peak_gib", "{:.1f}"), ("loss", "loss", "{:.3f}")]
+RATES = ("tokens_per_s_per_gpu", "tflops_per_gpu", "mfu")
 
 
 def run_variant(name: str, overrides: list[str], args, workdir: Path) -> dict:
@@ -45,11 +46,14 @@ def run_variant(name: str, overrides: list[str], args, workdir: Path) -> dict:
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     steady = [r for r in rows if r["step"] > args.warmup] or rows[-1:]
     for _, key, _ in COLUMNS:
-        values = [r[key] for r in steady if key in r]
-        if values:
-            # Rates average over the steady windows; memory peaks and loss come from the last row.
-            row[key] = sum(values) / len(values) if key in ("tokens_per_s_per_gpu", "tflops_per_gpu", "mfu") \
-                else steady[-1][key]
+        if key in RATES:  # averaged over the steady windows
+            values = [r[key] for r in steady if key in r]
+            if values:
+                row[key] = sum(values) / len(values)
+        else:  # the latest value; the planned-vs-measured peak is logged once, in the first window
+            values = [r[key] for r in rows if key in r]
+            if values:
+                row[key] = values[-1]
     return row
 
 
@@ -83,11 +87,11 @@ def main() -> None:
             name, _, flags = spec.partition("=")
             rows.append(run_variant(name.strip(), shlex.split(flags), args, Path(tmp)))
             print_table(rows[-1:])
+            # Rewritten after every variant: a sweep cut off by a time limit keeps what it measured.
+            write_results(result_dir(args.nproc), args.name, rows, command=shlex.join([sys.executable, *sys.argv]),
+                          plot=("tokens_per_s_per_gpu", "tokens/s/GPU"))
     print()
     print_table(rows)
-    folder = result_dir(args.nproc)
-    write_results(folder, args.name, rows, command=shlex.join([sys.executable, *sys.argv]),
-                  plot=("tokens_per_s_per_gpu", "tokens/s/GPU"))
 
 
 if __name__ == "__main__":

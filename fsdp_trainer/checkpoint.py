@@ -608,12 +608,14 @@ class Checkpointer:
         """Hand this rank's shards to DCP; the returned future completes once every rank's are on storage."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{self.info.rank}": rng_state(self.info.device)}}
+        # fsync stays on: the completion marker must never reach the disk before the shards it vouches for.
+        writer = dcp.FileSystemWriter(str(path), thread_count=self.cfg.checkpoint.write_threads, sync_files=True)
         if self.mode != "none":
-            response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group,
+            response = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                       async_stager=self._stager)
             # torch returns an AsyncSaveResponse only for a stager that stages in the background (ours do not).
             return getattr(response, "upload_completion", response)
-        dcp.save(state, checkpoint_id=str(path), process_group=self.group)
+        dcp.save(state, storage_writer=writer, process_group=self.group)
         done: Future = Future()
         done.set_result(None)
         return done
