@@ -3,11 +3,11 @@
 #   bash benchmarks/gpu_check.sh NGPU PART [PART ...]
 # PART:
 #   tests        GPU-marked tests and the SDPA backends
-#   collectives  the doctor's bandwidth table beside a bare NCCL all_reduce (NGPU > 1)
+#   collectives  the doctor's bandwidth table beside a bare NCCL all_reduce, on 2 GPUs and on NGPU (NGPU > 1)
 #   small        Llama 3.2 1B: throughput (eager/compiled, AC modes), FSDP vs DDP, weak scaling 1..NGPU
 #   8b           Llama 3 8B at seq 8192: eager/compiled per-op AC, compiled full AC, no AC, per-op AC micro-batch 2
 #   checkpoint   8B checkpoint save/load: async_pinned, then sync
-#   plan         the memory planner against measured peaks over a 1B/8B matrix
+#   plan         the memory planner against measured peaks over a 1B/8B matrix on 1, 2 and 4 GPUs (those present)
 #   capped       the 8.5B model that OOMs under DDP on 47.4 GiB cards: its plan, then training capped at 47.4 GiB
 # Tables go to stdout; JSON (and PNG) to benchmarks/results/<date>-<gpu>x<count>/ (to $OUT/<date>-<gpu>x<count>/ when set).
 set -uo pipefail
@@ -33,8 +33,8 @@ for PART in "$@"; do
     tests)
       python3 -m pytest -q -m gpu tests/test_gpu.py -p no:warnings --tb=short
       python3 benchmarks/attention.py ;;
-    collectives)
-      python3 benchmarks/collectives.py --nproc "$NGPU" ;;
+    collectives)  # on 2 GPUs, then on all of them
+      for n in $(printf '%s\n' 2 "$NGPU" | sort -un); do python3 benchmarks/collectives.py --nproc "$n"; done ;;
     small)
       throughput --config configs/llama3_1b.toml --steps 30 --name llama3_1b \
         --variant "eager noAC=--ac.mode none --parallel.no_compile" \
@@ -53,7 +53,7 @@ for PART in "$@"; do
       python3 benchmarks/checkpoint_io.py --config configs/llama3_8b.toml --nproc "$NGPU" --steps 30 --interval 15 \
         --modes async_pinned none -- --parallel.no_compile ;;
     plan)
-      python3 benchmarks/plan_accuracy.py --nproc "$NGPU" ;;
+      python3 benchmarks/plan_accuracy.py ;;
     capped)
       python3 -m fsdp_trainer.plan --config configs/llama3_8b.toml --model.n_layers 34 --ac.mode full \
         --gpus 8 --gpu-memory 47.4GiB

@@ -1,9 +1,12 @@
 """The memory planner against measured peaks: predicted vs torch.cuda.max_memory_allocated() per run.
 
-    python benchmarks/plan_accuracy.py --nproc 2 --row "1b none mb2=configs/llama3_1b.toml --ac.mode none" ...
+    python benchmarks/plan_accuracy.py                     # the default matrix, rows up to the GPUs present
+    python benchmarks/plan_accuracy.py --row "2 1b op mb4=configs/llama3_1b.toml --ac.mode op ..."
 
-Each row is a real `torchrun -m fsdp_trainer.train` run; the trainer logs the plan's predicted allocator peak
-next to the measured one after its first logging window. Target: within 10% on every row.
+A row is "GPUS NAME=CONFIG FLAGS". Each is a real `torchrun -m fsdp_trainer.train` run on that many GPUs; the
+trainer logs the plan's predicted allocator peak next to the measured one after its first logging window.
+The default matrix spans 1B and 8B, every ac.mode, micro-batch 1/2/4, 1/2/4 GPUs, the reshard policies and
+compile on and off. Target: within 10% on every row.
 """
 
 from __future__ import annotations
@@ -14,44 +17,65 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from results import result_dir, write_results
 from throughput import run_variant
 
+EAGER, COMPILED = "--parallel.no_compile", "--parallel.compile"
 DEFAULT_ROWS = [
-    "1b none mb1=configs/llama3_1b.toml --ac.mode none --train.micro_batch_size 1",
-    "1b none mb2=configs/llama3_1b.toml --ac.mode none --train.micro_batch_size 2",
-    "1b op mb4=configs/llama3_1b.toml --ac.mode op --train.micro_batch_size 4",
-    "1b full mb4=configs/llama3_1b.toml --ac.mode full --train.micro_batch_size 4",
-    "1b selective mb2 never=configs/llama3_1b.toml --ac.mode selective --train.micro_batch_size 2 "
-    "--parallel.reshard_after_forward never",
-    "8b op seq8192=configs/llama3_8b.toml --ac.mode op",
-    "8b full seq8192 mb2=configs/llama3_8b.toml --ac.mode full --train.micro_batch_size 2",
+    f"1 1b none mb2=configs/llama3_1b.toml --ac.mode none --train.micro_batch_size 2 {EAGER}",
+    f"1 1b op mb4=configs/llama3_1b.toml --ac.mode op --train.micro_batch_size 4 {EAGER}",
+    f"1 8b 4 layers none=configs/llama3_8b.toml --model.n_layers 4 --ac.mode none {EAGER}",
+    f"2 1b full mb4=configs/llama3_1b.toml --ac.mode full --train.micro_batch_size 4 {EAGER}",
+    f"2 1b selective mb2 never=configs/llama3_1b.toml --ac.mode selective --train.micro_batch_size 2 "
+    f"--parallel.reshard_after_forward never {EAGER}",
+    f"2 1b none mb1 always=configs/llama3_1b.toml --ac.mode none --train.micro_batch_size 1 "
+    f"--parallel.reshard_after_forward always {EAGER}",
+    f"2 8b 12 layers op seq4096=configs/llama3_8b.toml --model.n_layers 12 --train.seq_len 4096 --ac.mode op {EAGER}",
+    f"4 8b op=configs/llama3_8b.toml --ac.mode op {EAGER}",
+    f"4 8b full mb2=configs/llama3_8b.toml --ac.mode full --train.micro_batch_size 2 {EAGER}",
+    f"4 8b none compiled=configs/llama3_8b.toml --ac.mode none {COMPILED}",
+    f"4 8b op mb2 compiled=configs/llama3_8b.toml --ac.mode op --train.micro_batch_size 2 {COMPILED}",
+    f"4 1b none mb4 compiled=configs/llama3_1b.toml --ac.mode none --train.micro_batch_size 4 {COMPILED}",
 ]
+
+
+def parse_row(spec: str) -> tuple[int, str, str, list[str]]:
+    head, _, rest = spec.partition("=")
+    gpus, _, name = head.strip().partition(" ")
+    config, *flags = shlex.split(rest)
+    return int(gpus), name.strip(), config, flags
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--row", action="append", metavar="NAME=CONFIG FLAGS", help="default: a 1B and 8B matrix")
+    parser.add_argument("--row", action="append", metavar="GPUS NAME=CONFIG FLAGS", help="default: the matrix above")
     args = parser.parse_args()
-    args.log_every, args.warmup, args.extra = 2, 0, ["--parallel.no_compile"]
-    rows = []
+    args.log_every, args.warmup, args.extra = 2, 0, []
+    available = torch.cuda.device_count()
+    rows = [parse_row(spec) for spec in args.row or DEFAULT_ROWS]
+    skipped = [name for gpus, name, _, _ in rows if gpus > available]
+    if skipped:
+        print(f"skipped (need more than the {available} GPUs here): {', '.join(skipped)}")
+    rows = [row for row in rows if row[0] <= available]
+    if not rows:
+        raise SystemExit("no row fits the GPUs on this machine")
+    folder = result_dir(max(gpus for gpus, *_ in rows))
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for spec in args.row or DEFAULT_ROWS:
-            name, _, rest = spec.partition("=")
-            config, *flags = shlex.split(rest)
-            args.config = config
-            row = run_variant(name.strip(), flags, args, Path(tmp))
+        for gpus, name, config, flags in rows:
+            args.nproc, args.config = gpus, config
+            row = {"gpus": gpus, **run_variant(name, flags, args, Path(tmp))}
             if "planned_peak_gib" in row and "measured_peak_gib" in row:
                 row["error_pct"] = 100 * (row["planned_peak_gib"] / row["measured_peak_gib"] - 1)
-            rows.append(row)
-            print(f"{row['variant']:>28}  planned {row.get('planned_peak_gib', float('nan')):6.2f} GiB  measured "
+            results.append(row)
+            print(f"{gpus} x {name:>26}  planned {row.get('planned_peak_gib', float('nan')):6.2f} GiB  measured "
                   f"{row.get('measured_peak_gib', float('nan')):6.2f} GiB  error {row.get('error_pct', float('nan')):+.1f}%"
                   + (f"  FAILED: {row['error']}" if "error" in row else ""), flush=True)
             # Rewritten after every row: a matrix cut off by a time limit keeps what it measured.
-            write_results(result_dir(args.nproc), "plan_accuracy", rows,
-                          command=shlex.join([sys.executable, *sys.argv]),
+            write_results(folder, "plan_accuracy", results, command=shlex.join([sys.executable, *sys.argv]),
                           plot=("error_pct", "planned vs measured peak, %"))
 
 
