@@ -5,7 +5,10 @@
 #   tests        GPU-marked tests and the SDPA backends
 #   collectives  the doctor's bandwidth table beside a bare NCCL all_reduce, on 2 GPUs and on NGPU (NGPU > 1)
 #   small        Llama 3.2 1B: throughput (eager/compiled, AC modes), FSDP vs DDP, weak scaling 1..NGPU
-#   8b           Llama 3 8B at seq 8192: eager/compiled per-op AC, compiled full AC, no AC, per-op AC micro-batch 2
+#   8b           Llama 3 8B at seq 8192: eager/compiled per-op AC, compiled full AC, no AC, per-op AC micro-batch 2,
+#                two-block prefetch (eager and compiled), the chunked loss with per-op AC and with no AC
+#   profile      8B per-op AC, eager and compiled: the profiler's per-step breakdown (matmul, attention,
+#                communication and how much of it is exposed, optimizer, idle)
 #   checkpoint   8B checkpoint save/load: async_pinned, then sync
 #   plan         the memory planner against measured peaks over a 1B/8B matrix on 1, 2 and 4 GPUs (those present)
 #   capped       the 8.5B model that OOMs under DDP on 47.4 GiB cards: its plan, then training capped at 47.4 GiB
@@ -48,7 +51,18 @@ for PART in "$@"; do
         --variant "compiled opAC=--ac.mode op" \
         --variant "compiled fullAC=--ac.mode full" \
         --variant "compiled noAC=--ac.mode none" \
-        --variant "compiled opAC mb2=--ac.mode op --train.micro_batch_size 2" ;;
+        --variant "compiled opAC mb2=--ac.mode op --train.micro_batch_size 2" \
+        --variant "eager opAC prefetch 2=--ac.mode op --parallel.no_compile --parallel.prefetch 2" \
+        --variant "compiled opAC prefetch 2=--ac.mode op --parallel.prefetch 2" \
+        --variant "compiled opAC chunked loss=--ac.mode op --train.loss_chunk_tokens 2048" \
+        --variant "compiled noAC chunked loss=--ac.mode none --train.loss_chunk_tokens 2048" ;;
+    profile)  # where each step's GPU time goes, eager and compiled (the trace files stay on the machine)
+      for compile in no_compile compile; do
+        python3 -m torch.distributed.run --nproc_per_node="$NGPU" -m fsdp_trainer.train --config configs/llama3_8b.toml \
+          --ac.mode op --parallel.$compile --train.steps 14 --train.log_every 7 --profile.steps 12:13 \
+          --train.output_dir "/tmp/profile_$compile" --checkpoint.interval 0 --checkpoint.resume none \
+          --checkpoint.no_save_final --metrics.no_tensorboard 2>&1 | grep -E "profile of steps|step 14/"
+      done ;;
     checkpoint)
       python3 benchmarks/checkpoint_io.py --config configs/llama3_8b.toml --nproc "$NGPU" --steps 30 --interval 15 \
         --modes async_pinned none -- --parallel.no_compile ;;

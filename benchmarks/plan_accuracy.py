@@ -5,8 +5,8 @@
 
 A row is "GPUS NAME=CONFIG FLAGS". Each is a real `torchrun -m fsdp_trainer.train` run on that many GPUs; the
 trainer logs the plan's predicted allocator peak next to the measured one after its first logging window.
-The default matrix spans 1B and 8B, every ac.mode, micro-batch 1/2/4, 1/2/4 GPUs, the reshard policies and
-compile on and off. Target: within 10% on every row.
+The default matrix spans 1B and 8B, every ac.mode, micro-batch 1/2/4, 1/2/4 GPUs, the reshard policies,
+compile on and off, and the chunked loss. Target: within 10% on every row.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ DEFAULT_ROWS = [
     f"2 1b none mb1 always=configs/llama3_1b.toml --ac.mode none --train.micro_batch_size 1 "
     f"--parallel.reshard_after_forward always {EAGER}",
     f"2 8b 12 layers op seq4096=configs/llama3_8b.toml --model.n_layers 12 --train.seq_len 4096 --ac.mode op {EAGER}",
+    f"2 8b 12 layers none chunked loss=configs/llama3_8b.toml --model.n_layers 12 --ac.mode none "
+    f"--train.loss_chunk_tokens 2048 {EAGER}",
     f"4 8b op=configs/llama3_8b.toml --ac.mode op {EAGER}",
     f"4 8b full mb2=configs/llama3_8b.toml --ac.mode full --train.micro_batch_size 2 {EAGER}",
     f"4 8b none compiled=configs/llama3_8b.toml --ac.mode none {COMPILED}",

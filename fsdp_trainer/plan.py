@@ -20,16 +20,18 @@ The model of memory, per GPU, in the steady state (step 2 on, once AdamW's state
   - Unsharded param_dtype parameters of the FSDP groups in flight (all-gather outputs), their param_dtype
     gradients and the reduce_dtype reduce-scatter input; groups that reshard_after_forward keeps gathered.
   - Activations autograd saves per micro-batch, by AC mode (`block_saved_bytes` lists the tensors), plus the
-    logits and the cross-entropy's float32 buffers, which dominate at long sequences and large vocabularies.
+    logits and the cross-entropy's float32 buffers, which dominate at long sequences and large vocabularies
+    (with train.loss_chunk_tokens: one chunk's logits, and the loss's gradients held from forward to backward).
   - The peak is the largest of four moments of a step, each summed from what is alive then (`_moments`):
-    loss backward, output-projection backward, last block's backward, end of backward. The fused AdamW step
-    updates in place and stays below "end of backward".
+    loss backward (or the chunked loss), output-projection backward, last block's backward, end of backward.
+    The fused AdamW step updates in place and stays below "end of backward".
   - Then margins the allocator does not see or cannot avoid: fragmentation, NCCL/cuBLAS workspaces and the CUDA
     context. Every constant below is an assumption, stated where it is defined.
 The allocator peak was checked against torch.cuda.max_memory_allocated() on one and two H200s (torch 2.11, cuDNN
 attention, fused RMSNorm) for AC none/op/selective/full, grad accumulation, deferred sync and reshard never, tied and
-untied: within 0.4% each (tests/test_plan.py keeps those numbers). Not checked on GPUs: CPU offload, HSDP, more than two
-ranks, float16, torch.compile (planned as eager: Inductor usually saves less, so the plan is an upper bound).
+untied: within 0.4% each, and on four H200s for the full 8B and 8.5B models with AC op and full (tests/test_plan.py
+keeps those numbers). torch.compile is planned as eager: Inductor saves less (up to 10% of the peak without AC), so
+the plan is an upper bound. Not checked on GPUs: CPU offload, HSDP, float16, the chunked loss.
 """
 
 from __future__ import annotations
@@ -243,6 +245,8 @@ class _Setup:
     reshard: str
     offload: bool
     defer: bool
+    loss_chunk: int
+    prefetch: int
 
     @property
     def tokens(self) -> int:
@@ -264,7 +268,8 @@ def _setup(cfg: Config, gpus: int, gpus_per_node: int) -> _Setup:
     return _Setup(args, fsdp_groups(args), gpus, gpus_per_node, replicate, shard, pbytes,
                   DTYPE_BYTES[p.reduce_dtype], cfg.train.seq_len, cfg.train.micro_batch_size,
                   cfg.train.grad_accum_steps, cfg.ac.mode, cfg.ac.every, p.reshard_after_forward, p.cpu_offload,
-                  p.defer_grad_sync and cfg.train.grad_accum_steps > 1)
+                  p.defer_grad_sync and cfg.train.grad_accum_steps > 1, cfg.train.loss_chunk_tokens,
+                  p.prefetch)
 
 
 def _moments(s: _Setup) -> dict[str, dict[str, int]]:
@@ -298,9 +303,16 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
     modes = block_modes(s.args.n_layers, s.ac_mode, s.ac_every)
     per_block = block_bytes_by_mode(s.args, tokens, s.pbytes)
     block_acts = sum(per_block[m] for m in modes)
-    head = head_saved_bytes(s.args, tokens, s.pbytes)
-    # train_step's `logits` variable (param_dtype) lives until the next micro-batch replaces it.
-    held_logits = s.pbytes * tokens * vocab
+    chunk = min(s.loss_chunk, tokens)
+    if chunk:
+        # The chunked loss saves neither the output projection's input nor the logits; it holds the gradients of
+        # the hidden states and of the weight from its forward to its backward.
+        head = ids_labels_bytes(tokens) + rms_norm_saved_bytes(tokens, s.args.dim, s.pbytes, True)
+        held_logits, hidden_grads = 0, s.pbytes * tokens * s.args.dim
+    else:
+        head = head_saved_bytes(s.args, tokens, s.pbytes)
+        # train_step's `logits` variable (param_dtype) lives until the next micro-batch replaces it.
+        held_logits, hidden_grads = s.pbytes * tokens * vocab, 0
     # Sharded gradients of earlier micro-batches stay through later ones. With one micro-batch, zero_grad
     # (set_to_none) has freed them, and backward allocates them group by group as activations are freed.
     held_grads = shards if s.accum > 1 and not s.defer else 0
@@ -316,19 +328,29 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
     retained_reduce = root_grads or s.rbytes * first_back.gathered_numel(s.shard)
     # FSDP2 reshards every group after its backward, so the kept output group is gone once the blocks' start.
     resharded_output = 0 if tied or first_back not in kept else gathered(first_back)
-    prefetched = gathered_unless_kept(blocks[-2]) if len(blocks) > 1 else 0  # FSDP2 gathers one group ahead
+    # FSDP2 gathers one group ahead (parallel.prefetch: that many blocks ahead).
+    prefetched = sum(gathered_unless_kept(g) for g in blocks[max(0, len(blocks) - 1 - s.prefetch):-1])
     recompute = per_block["none"] - per_block[modes[-1]]  # a checkpointed block's forward runs again in backward
     # Activation gradients in flight in a block's backward: SwiGLU's three [tokens, hidden] gradients at its
     # product's backward, plus the residual stream's gradient and its update, [tokens, dim] each.
     work = s.pbytes * tokens * (3 * s.args.ffn_hidden_dim + 2 * s.args.dim)
-    return {
+    if chunk:
+        # Inside the loss's forward: the gradients it is filling (the hidden states', and the weight's in
+        # param_dtype), and one chunk's float32 logits beside their param_dtype copy (or the param_dtype
+        # gradient made from them).
+        loss_moment = {"chunked loss": {**base, "blocks": block_acts, "head": head,
+                                        "logits": hidden_grads + root_or_output_grads
+                                        + (4 + s.pbytes) * chunk * vocab}}
+    else:
         # cross_entropy's backward: log_softmax's float32 output, nll_loss's float32 gradient and log_softmax's
         # float32 input gradient at once, next to the param_dtype logits.
-        "loss backward": {**base, "blocks": block_acts, "head": head,
-                          "logits": held_logits + 3 * 4 * tokens * vocab},
-        # output projection's backward: logits and their param_dtype gradient, the output group's weights and
-        # param_dtype gradients, the last block gathered ahead.
-        "output backward": {**base, "blocks": block_acts, "head": head, "logits": 2 * held_logits,
+        loss_moment = {"loss backward": {**base, "blocks": block_acts, "head": head,
+                                         "logits": held_logits + 3 * 4 * tokens * vocab}}
+    return {
+        **loss_moment,
+        # output projection's backward: logits and their param_dtype gradient (chunked: the hidden states'
+        # gradient), the output group's weights and param_dtype gradients, the last block gathered ahead.
+        "output backward": {**base, "blocks": block_acts, "head": head, "logits": 2 * held_logits + hidden_grads,
                             "comm": (root_grads if tied else gathered_unless_kept(first_back) + root_or_output_grads)
                             + gathered_unless_kept(blocks[-1])},
         # last block's backward (every block's activations still held): its weights and gradients, the next block
@@ -560,7 +582,8 @@ def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:
         "deferred": f"{s.rbytes * s.gathered_numel() / GiB:.2f} GiB, all groups" if s.defer else "",
         "blocks": block_note,
         "head": "",
-        "logits": f"[{s.tokens}, {s.args.vocab_size}] in {dtype} + 3 float32 at the loss backward",
+        "logits": (f"chunks of {min(s.loss_chunk, s.tokens)} tokens; the loss's gradients held to backward"
+                   if s.loss_chunk else f"[{s.tokens}, {s.args.vocab_size}] in {dtype} + 3 float32 at the loss backward"),
         "work": "",
     }
 
@@ -599,6 +622,7 @@ def _knobs(cfg: Config) -> list[list[dict[str, Any]]]:
         micro,
         [{"parallel.reshard_after_forward": "always"}] if p.reshard_after_forward != "always" else [],
         [{"parallel.defer_grad_sync": False}] if p.defer_grad_sync else [],
+        [{"train.loss_chunk_tokens": LOSS_CHUNK}] if not t.loss_chunk_tokens else [],
         [{"parallel.cpu_offload": True}] if not p.cpu_offload else [],
         # HSDP (or DDP, dp_shard 1) replicates what FSDP over every GPU would shard
         [{"parallel.dp_replicate": 1, "parallel.dp_shard": -1}] if p.dp_replicate > 1 else [],
@@ -626,7 +650,11 @@ def _cost(base: Plan, new: Plan, tokens_ratio: float = 1.0) -> float:
     return new.step_seconds / tokens_ratio / base.step_seconds - 1
 
 
+# The chunk the planner suggests: 2048 tokens of a 128K vocabulary are 1.5 GiB of chunk buffers.
+LOSS_CHUNK = 2048
+
 _WHY = {"ac.mode": "recomputes activations in backward",
+        "train.loss_chunk_tokens": "the loss in chunks of tokens: no full-sequence logits",
         "train.micro_batch_size": "same global batch in more, smaller micro-batches",
         "parallel.reshard_after_forward": "re-gathers the output layer in backward",
         "parallel.defer_grad_sync": "reduce-scatters every micro-batch instead of holding unsharded grads",

@@ -54,7 +54,7 @@ def build_model(cfg: Config, mesh, device: torch.device):
     apply_fsdp(model, mesh, block_types=blocks, groups=groups,
                param_dtype=DTYPES[resolve_param_dtype(p.param_dtype, device.type)],
                reduce_dtype=DTYPES[p.reduce_dtype], reshard_after_forward=p.reshard_after_forward,
-               cpu_offload=p.cpu_offload)
+               prefetch=p.prefetch, cpu_offload=p.cpu_offload)
     init_weights(model, device, seed=cfg.train.seed, offload=p.cpu_offload)
     return model, args
 
@@ -68,9 +68,12 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
         inputs, labels = (t.to(device, non_blocking=True) for t in next(batches))
         if cfg.parallel.defer_grad_sync:
             model.set_requires_gradient_sync(micro == accum - 1)
-        logits = model(inputs)
         # Mean over this micro-batch's tokens, divided by accum: k micro-batches of b equal one batch of k*b.
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / accum
+        if cfg.train.loss_chunk_tokens:  # the model computes it in chunks, never holding all logits
+            loss = model(inputs, labels, cfg.train.loss_chunk_tokens) / accum
+        else:
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / accum
         (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach()
     if scaler:

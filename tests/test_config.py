@@ -85,6 +85,8 @@ def test_impossible_mesh_is_rejected(replicate, shard, world, message):
     ("parallel", "cpu_offload", True, "parallel.cpu_offload needs a CUDA GPU"),
     ("parallel", "param_dtype", "float16", "parallel.param_dtype=float16 needs a CUDA GPU"),
     ("memory", "limit_gib", 40.0, "memory.limit_gib needs a CUDA GPU"),
+    ("parallel", "prefetch", 0, "parallel.prefetch=0: must be at least 1"),
+    ("train", "loss_chunk_tokens", -1, "train.loss_chunk_tokens=-1: must be >= 0"),
     ("checkpoint", "write_threads", 0, "checkpoint.write_threads=0: both must be >= 1"),
 ])
 def test_invalid_settings_name_field_value_and_fix(section, key, value, message):

@@ -64,6 +64,36 @@ def test_logits_and_output_layer_sizes():
     assert row(p, "activations saved") == 32 * tokens * 4096 * 2
 
 
+def test_chunked_loss_holds_one_chunk_and_the_loss_gradients_instead_of_the_logits():
+    full = plan(cfg_for("--ac.mode", "full"), 8, BIG)
+    chunked = plan(cfg_for("--ac.mode", "full", "--train.loss_chunk_tokens", "2048"), 8, BIG)
+    tokens, vocab, dim = 8192, 128256, 4096
+    assert "loss backward" not in chunked.moments
+    # Gone: the bfloat16 logits, the three float32 loss buffers and the output projection's saved bfloat16 input.
+    # Added: the held gradients of the hidden states and of the output group (weight + norm), one chunk's float32
+    # logits beside their bfloat16 copy.
+    expected = (full.moments["loss backward"] - tokens * vocab * (2 + 3 * 4) - 2 * tokens * dim
+                + 2 * tokens * dim + 2 * (vocab * dim + dim) + (4 + 2) * 2048 * vocab)
+    assert chunked.moments["chunked loss"] == expected
+    assert full.predicted_peak_bytes - chunked.predicted_peak_bytes > 9 * GiB  # the peak moves to another moment
+
+
+def test_chunked_loss_is_the_first_suggestion_when_the_logits_tip_the_balance():
+    p = plan(cfg_for("--ac.mode", "none"), 4, parse_memory("79.2GiB"))
+    assert not p.fits
+    assert p.suggestions[0].change == {"train.loss_chunk_tokens": 2048}
+    assert "--train.loss_chunk_tokens 2048" in p.render()
+
+
+def test_prefetching_two_blocks_holds_one_more_gathered_block_in_backward():
+    one = plan(cfg_for("--ac.mode", "full"), 8, BIG)
+    two = plan(cfg_for("--ac.mode", "full", "--parallel.prefetch", "2"), 8, BIG)
+    dim, hidden, kv = 4096, 14336, 1024
+    block = 2 * dim * dim + 2 * dim * kv + 3 * dim * hidden + 2 * dim  # wq and wo, wk and wv, SwiGLU, norms
+    assert two.moments["last block backward"] - one.moments["last block backward"] == 2 * block
+    assert two.moments["loss backward"] == one.moments["loss backward"]
+
+
 def test_reshard_policies_order_kept_parameters():
     kept = {policy: row(plan(cfg_for("--parallel.reshard_after_forward", policy), 8, BIG), "gathered params kept")
             for policy in ("always", "default", "never")}

@@ -49,6 +49,7 @@ def reference_run(cfg, world_size: int):
     batches = iter(loader)
     single = copy.deepcopy(cfg)
     single.parallel.defer_grad_sync = False
+    single.train.loss_chunk_tokens = 0  # the reference takes the cross-entropy of the full logits
     history = []
     for step in range(1, t.steps + 1):
         loss, norm = train.train_step(model, optimizer, scheduler, batches, single, None, torch.device("cpu"))
@@ -76,6 +77,7 @@ def assert_matches_reference(results, reference, *, loss_tol, param_tol):
     (4, {}),
     (4, {"dp_replicate": 2}),                             # HSDP 2 x 2
     (2, {"reshard_after_forward": "never"}),
+    (2, {"prefetch": 2}),
 ])
 def test_sharded_matches_single_process_reference(tmp_path, world_size, parallel):
     cfg = tiny_config(parallel=parallel, train={"output_dir": str(tmp_path)})
@@ -107,6 +109,21 @@ def test_activation_checkpointing_under_fsdp_matches_reference(tmp_path, ac):
     cfg = tiny_config(ac=ac, train={"output_dir": str(tmp_path), "steps": 3})
     results = run_ranks(train_and_gather, 2, cfg)
     assert_matches_reference(results, reference_run(cfg, 2), loss_tol=2e-5, param_tol=2e-5)
+
+
+@pytest.mark.parametrize("model,parallel,tol", [
+    ({}, {}, (2e-5, 2e-5)),
+    ({"tie_embeddings": True}, {}, (2e-5, 2e-5)),
+    ({}, {"param_dtype": "bfloat16"}, (3e-2, 5e-3)),
+])
+def test_chunked_loss_under_fsdp_matches_reference(tmp_path, model, parallel, tol):
+    """24-token chunks of 64-token micro-batches (the last chunk shorter), two micro-batches per step."""
+    cfg = tiny_config(model=model, parallel=parallel,
+                      train={"output_dir": str(tmp_path), "loss_chunk_tokens": 24, "grad_accum_steps": 2})
+    results = run_ranks(train_and_gather, 2, cfg)
+    reference_cfg = copy.deepcopy(cfg)
+    reference_cfg.parallel.param_dtype = "float32"
+    assert_matches_reference(results, reference_run(reference_cfg, 2), loss_tol=tol[0], param_tol=tol[1])
 
 
 @pytest.mark.parametrize("defer", [False, True])

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_trainer.loss import linear_cross_entropy
+
 
 @dataclass
 class ModelArgs:
@@ -152,6 +154,18 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class OutputProjection(nn.Linear):
+    """The output projection. Given labels, it returns their mean cross-entropy instead of the logits, computed
+    `loss_chunk_tokens` tokens at a time (`fsdp_trainer.loss`) inside this module's forward, where FSDP has its
+    weight gathered."""
+
+    def forward(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                loss_chunk_tokens: int = 0) -> torch.Tensor:
+        if labels is None:
+            return super().forward(hidden)
+        return linear_cross_entropy(hidden, self.weight, labels, loss_chunk_tokens)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -159,17 +173,21 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = OutputProjection(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from args, so checkpoints stay independent of max_seq_len.
         self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                loss_chunk_tokens: int = 0) -> torch.Tensor:
+        """The logits; or, given labels and a chunk size, the mean cross-entropy without the full logits."""
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, self.rope)
-        return self.output(self.norm(h))
+        if labels is None:
+            return self.output(self.norm(h))
+        return self.output(self.norm(h), labels, loss_chunk_tokens)
 
     # -- initialization ----------------------------------------------------------------------------------
     def tie_weights(self) -> None:
