@@ -1,4 +1,5 @@
-"""Throughput sweep: tokens/s/GPU, TFLOPs/GPU, MFU and peak memory for named variants of one config.
+"""Throughput sweep: tokens/s/GPU, TFLOPs/GPU, MFU, peak memory and the step-time breakdown (data wait,
+forward+backward, optimizer; exposed communication comes from `--profile.steps`) for named variants of a config.
 
     python benchmarks/throughput.py --config configs/llama3_8b.toml --nproc 4 --steps 30 \\
         --variant "eager op-AC=--ac.mode op" \\
@@ -25,8 +26,10 @@ from results import result_dir, write_results
 COLUMNS = [("tokens/s/GPU", "tokens_per_s_per_gpu", "{:,.0f}"), ("TFLOPs/GPU", "tflops_per_gpu", "{:.1f}"),
            ("MFU %", "mfu", "{:.1%}"), ("active GiB", "mem_active_gib", "{:.1f}"),
            ("reserved GiB", "mem_reserved_gib", "{:.1f}"), ("planned peak GiB", "planned_peak_gib", "{:.1f}"),
-           ("measured peak GiB", "measured_peak_gib", "{:.1f}"), ("loss", "loss", "{:.3f}")]
-RATES = ("tokens_per_s_per_gpu", "tflops_per_gpu", "mfu")
+           ("measured peak GiB", "measured_peak_gib", "{:.1f}"), ("data ms", "data_ms", "{:.1f}"),
+           ("fwd+bwd ms", "forward_backward_ms", "{:.0f}"), ("optim ms", "optimizer_ms", "{:.1f}"),
+           ("loss", "loss", "{:.3f}")]
+AVERAGED = ("tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "data_ms", "forward_backward_ms", "optimizer_ms")
 
 
 def run_variant(name: str, overrides: list[str], args, workdir: Path) -> dict:
@@ -46,7 +49,7 @@ def run_variant(name: str, overrides: list[str], args, workdir: Path) -> dict:
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     steady = [r for r in rows if r["step"] > args.warmup] or rows[-1:]
     for _, key, _ in COLUMNS:
-        if key in RATES:  # averaged over the steady windows
+        if key in AVERAGED:  # averaged over the steady windows
             values = [r[key] for r in steady if key in r]
             if values:
                 row[key] = sum(values) / len(values)

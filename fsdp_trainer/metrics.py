@@ -6,7 +6,7 @@ import json
 import platform
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -58,6 +58,46 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+class PhaseTimer:
+    """Where each step's time goes, without a host sync: a timestamp at every phase boundary, read back on logging
+    steps (which sync anyway). On GPUs the timestamps are CUDA events on the GPU's timeline, so waiting for data
+    counts only where it left the GPU idle; on CPU they are the wall clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, Any]] = []  # (the phase that ends here, timestamp); "" starts a step
+        self.steps = 0
+
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin_step(self) -> None:
+        self.marks.append(("", self._now()))
+        self.steps += 1
+
+    def lap(self, phase: str) -> None:
+        """The phase that began at the previous mark ends now."""
+        self.marks.append((phase, self._now()))
+
+    def read(self) -> dict[str, float]:
+        """Milliseconds per step in each phase since the last read (`<phase>_ms`); the time between steps
+        (logging, checkpoints) belongs to none."""
+        if self.cuda and self.marks:
+            self.marks[-1][1].synchronize()
+        totals: dict[str, float] = {}
+        for (_, start), (phase, end) in zip(self.marks, self.marks[1:]):
+            if phase:
+                totals[phase] = totals.get(phase, 0.0) + (start.elapsed_time(end) if self.cuda
+                                                          else 1e3 * (end - start))
+        result = {f"{phase}_ms": total / self.steps for phase, total in totals.items()}
+        self.marks, self.steps = [], 0
+        return result
+
+
 class Metrics:
     """Turns (step, loss, grad norm, lr) on logging steps into rates, prints them and records them."""
 
@@ -73,6 +113,7 @@ class Metrics:
             self.writer = SummaryWriter(str(output_dir / "tb"))
         self.start_time = self.window_time = time.perf_counter()
         self.window_step = 0
+        self.phases = PhaseTimer(device)
 
     def start(self, step: int) -> None:
         """Begin timing at `step` (after resume, or after a warm-up the rates should not include)."""
@@ -89,6 +130,7 @@ class Metrics:
         if self.peak:
             row["mfu"] = tokens_per_s_gpu * self.flops_per_token / self.peak
         row.update(memory_gib(self.device))
+        row.update(self.phases.read())
         row.update(extra or {})
         if self.is_main:
             elapsed = now - self.start_time
@@ -99,6 +141,9 @@ class Metrics:
                      f"{row['tflops_per_gpu']:.1f} TFLOPs/gpu"]
             if "mfu" in row:
                 parts.append(f"mfu {100 * row['mfu']:.1f}%")
+            if "forward_backward_ms" in row:
+                parts.append(f"ms/step data {row['data_ms']:.1f} fwd+bwd {row['forward_backward_ms']:.0f} "
+                             f"optim {row['optimizer_ms']:.0f}")
             if "mem_active_gib" in row:
                 parts.append(f"mem {row['mem_active_gib']:.1f}/{row['mem_reserved_gib']:.1f} GiB")
             parts.append(f"elapsed {_duration(elapsed)} eta {_duration(eta)}")

@@ -31,7 +31,7 @@ from fsdp_trainer.config import Config, ConfigError, mesh_shape, parse_args, res
 from fsdp_trainer.data import build_dataloader, check_source, samples_per_step
 from fsdp_trainer.distributed import logger
 from fsdp_trainer.faults import NonFiniteError, NonFiniteGuard, Watchdog, describe_oom, enable_flight_recorder
-from fsdp_trainer.metrics import GiB, Metrics, environment, write_run_info
+from fsdp_trainer.metrics import GiB, Metrics, PhaseTimer, environment, write_run_info
 from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile, apply_fsdp, init_weights
@@ -59,13 +59,16 @@ def build_model(cfg: Config, mesh, device: torch.device):
     return model, args
 
 
-def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device: torch.device, guard=None):
+def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device: torch.device, guard=None,
+               phases: Optional[PhaseTimer] = None):
     """One optimizer step over `grad_accum_steps` micro-batches. Returns (mean loss, global grad norm) as
-    device tensors: nothing here waits for the GPU."""
+    device tensors: nothing here waits for the GPU. `phases` times data, forward+backward and optimizer."""
+    lap = phases.lap if phases else lambda phase: None
     accum = cfg.train.grad_accum_steps
     loss_sum = torch.zeros((), device=device)
     for micro in range(accum):
         inputs, labels = (t.to(device, non_blocking=True) for t in next(batches))
+        lap("data")
         if cfg.parallel.defer_grad_sync:
             model.set_requires_gradient_sync(micro == accum - 1)
         # Mean over this micro-batch's tokens, divided by accum: k micro-batches of b equal one batch of k*b.
@@ -76,6 +79,7 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / accum
         (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach()
+        lap("forward_backward")
     if scaler:
         scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
@@ -88,6 +92,7 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
+    lap("optimizer")
     return loss_sum, grad_norm
 
 
@@ -153,7 +158,9 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
         with ckpt.stop_signals():
             while progress.step < t.steps:
                 profiler.before(progress.step + 1)
-                loss, grad_norm = train_step(model, optimizer, scheduler, batches, cfg, scaler, device, guard)
+                metrics.phases.begin_step()
+                loss, grad_norm = train_step(model, optimizer, scheduler, batches, cfg, scaler, device, guard,
+                                             metrics.phases)
                 progress.advance(global_batch, t.seq_len)
                 profiler.after(progress.step)
                 watchdog.beat(progress.step)

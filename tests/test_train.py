@@ -171,7 +171,12 @@ def test_default_run_trains_and_writes_logs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
-    assert "tok/s" in proc.stderr and "step 30/30" in proc.stderr
+    assert "tok/s" in proc.stderr and "step 30/30" in proc.stderr and "ms/step data" in proc.stderr
+    # The phases of a step account for most of it: the rest is logging and the loop between steps.
+    step_ms = sum(rows[-1][f"{phase}_ms"] for phase in ("data", "forward_backward", "optimizer"))
+    assert rows[-1]["forward_backward_ms"] > rows[-1]["optimizer_ms"] > 0 and rows[-1]["data_ms"] > 0
+    tokens_per_step = 8 * 256  # the defaults: micro-batch 8 x seq_len 256 on one rank
+    assert 0.5 < step_ms / (1e3 * tokens_per_step / rows[-1]["tokens_per_s_per_gpu"]) <= 1.05
     assert (out / "config.toml").is_file() and (out / "environment.json").is_file()
     assert any((out / "tb").iterdir())
 
