@@ -62,8 +62,8 @@ def test_frozen_weight_gets_no_gradient():
     torch.testing.assert_close(hidden.grad, grad_hidden)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_model_loss_matches_cross_entropy_of_its_logits(tie):
+@pytest.mark.parametrize("tie,chunk", [(False, 16), (True, 16), (False, 0)])  # 0: all tokens at once
+def test_model_loss_matches_cross_entropy_of_its_logits(tie, chunk):
     args = ModelArgs.from_preset("debug", tie_embeddings=tie)
     torch.manual_seed(0)
     model = build(args, device="cpu")
@@ -72,7 +72,7 @@ def test_model_loss_matches_cross_entropy_of_its_logits(tie):
     labels = torch.randint(0, args.vocab_size, (2, 24))
     reference = F.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten())
     expected = torch.autograd.grad(reference, list(model.parameters()))
-    ours = model(tokens, labels, 16)
+    ours = model(tokens, labels, chunk)
     got = torch.autograd.grad(ours, list(model.parameters()))
     torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
     for (name, _), a, b in zip(model.named_parameters(), got, expected):

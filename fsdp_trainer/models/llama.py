@@ -156,14 +156,14 @@ class TransformerBlock(nn.Module):
 
 class OutputProjection(nn.Linear):
     """The output projection. Given labels, it returns their mean cross-entropy instead of the logits, computed
-    `loss_chunk_tokens` tokens at a time (`fsdp_trainer.loss`) inside this module's forward, where FSDP has its
-    weight gathered."""
+    `loss_chunk_tokens` tokens at a time (0: all at once; `fsdp_trainer.loss`) inside this module's forward,
+    where FSDP has its weight gathered."""
 
     def forward(self, hidden: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_chunk_tokens: int = 0) -> torch.Tensor:
         if labels is None:
             return super().forward(hidden)
-        return linear_cross_entropy(hidden, self.weight, labels, loss_chunk_tokens)
+        return linear_cross_entropy(hidden, self.weight, labels, loss_chunk_tokens or labels.numel())
 
 
 class Transformer(nn.Module):
@@ -181,12 +181,10 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_chunk_tokens: int = 0) -> torch.Tensor:
-        """The logits; or, given labels and a chunk size, the mean cross-entropy without the full logits."""
+        """The logits; or, given labels, their mean cross-entropy, computed without the full logits."""
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, self.rope)
-        if labels is None:
-            return self.output(self.norm(h))
         return self.output(self.norm(h), labels, loss_chunk_tokens)
 
     # -- initialization ----------------------------------------------------------------------------------
