@@ -175,8 +175,8 @@ class CheckpointConfig:
     """none: training waits for the write; async: waits only while the state is copied to host memory;
     async_pinned: like async, staging into reused pinned buffers (fastest on GPU, holds host memory)."""
     write_threads: int = 4
-    """Files each rank writes in parallel per save; one thread leaves most local NVMe and network file
-    systems far below their bandwidth."""
+    """Files each rank writes in parallel per save (DCP's writer threads). Parallel and network file systems
+    reward more concurrent writers; a single local disk is limited by its own bandwidth either way."""
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint in dir, if any; none: start fresh; or a checkpoint path."""
     init_from: Optional[str] = None
