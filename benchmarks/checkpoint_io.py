@@ -24,6 +24,7 @@ from results import result_dir, write_results
 BLOCKED = re.compile(r"checkpoint step (\d+) \((\w+)\): training blocked ([\d.]+) s"
                      r"(?: \(of which ([\d.]+) s waiting for the previous save\))?")
 COMPLETE = re.compile(r"complete: ([\d.]+) GB in ([\d.]+) s \(([\d.]+) GB/s")
+STAGING = re.compile(r"checkpoint staging: ([\d.]+) GB of .*allocated in ([\d.]+) s")
 LOADED = re.compile(r"loaded .*: ([\d.]+) GB in ([\d.]+) s \(([\d.]+) GB/s\)")
 
 
@@ -67,6 +68,9 @@ def main() -> None:
             row.update(first_blocked_s=saves[0][0], blocked_s=max(b for b, _ in later),
                        waited_s=max(w for _, w in later), gb=float(done[-1][0]), save_s=float(done[-1][1]),
                        save_gb_per_s=float(done[-1][2]))
+        staging = STAGING.search(log)
+        if staging:  # async_pinned allocates its host buffers once, after step 1
+            row.update(staging_alloc_s=float(staging.group(2)))
         if load:
             row.update(load_s=float(load.group(2)), load_gb_per_s=float(load.group(3)))
         rows.append(row)
@@ -80,7 +84,8 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    columns = [("mode", "mode", "{}"), ("threads", "write_threads", "{}"), ("first block s", "first_blocked_s", "{:.2f}"),
+    columns = [("mode", "mode", "{}"), ("threads", "write_threads", "{}"), ("buffers s", "staging_alloc_s", "{:.1f}"),
+               ("first block s", "first_blocked_s", "{:.2f}"),
                ("block s", "blocked_s", "{:.2f}"), ("of which wait s", "waited_s", "{:.2f}"), ("GB", "gb", "{:.1f}"),
                ("save s", "save_s", "{:.1f}"), ("save GB/s", "save_gb_per_s", "{:.2f}"), ("load s", "load_s", "{:.1f}"),
                ("load GB/s", "load_gb_per_s", "{:.2f}")]

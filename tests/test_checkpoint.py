@@ -276,6 +276,17 @@ def test_a_failing_step_still_commits_the_save_in_flight(tmp_path, monkeypatch):
     assert complete_steps(tmp_path / "checkpoints") == [2]
 
 
+def test_async_pinned_allocates_its_staging_buffers_after_the_first_step(tmp_path, capfd):
+    """The host copy of the state is allocated once, at step 1, not inside the first save (saved at step 3)."""
+    train_in_process("--train.steps", "3", "--checkpoint.interval", "3", "--checkpoint.async_mode", "async_pinned",
+                     "--train.output_dir", str(tmp_path))
+    lines = capfd.readouterr().err.splitlines()
+    staging = [i for i, line in enumerate(lines) if "checkpoint staging:" in line]
+    step_1, step_2 = (next(i for i, line in enumerate(lines) if f"step {n}/3" in line) for n in (1, 2))
+    assert len(staging) == 1 and step_1 < staging[0] < step_2
+    assert complete_steps(tmp_path / "checkpoints") == [3]
+
+
 def test_pinned_stager_reuses_its_buffers():
     """async_pinned copies into the same host buffers at every save (torch 2.11's DefaultStager drops them)."""
     stager = ck.ReusedBufferStager(torch.device("cpu"))
