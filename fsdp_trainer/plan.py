@@ -425,6 +425,14 @@ def _host_bytes_per_node(s: _Setup) -> int:
     return 20 * s.shard_numel() * min(s.gpus_per_node, s.gpus)
 
 
+def _staging_bytes_per_node(cfg: Config, s: _Setup) -> int:
+    """Host RAM async checkpoints stage into per node: per GPU the float32 parameter shards and AdamW's two
+    moments (async_pinned keeps it pinned for the whole run, async during each save)."""
+    if cfg.checkpoint.async_mode == "none":
+        return 0
+    return 12 * s.shard_numel() * min(s.gpus_per_node, s.gpus)
+
+
 # -- the plan --------------------------------------------------------------------------------------------------------
 @dataclass
 class Row:
@@ -484,6 +492,9 @@ class Plan:
     total_bytes: int
     """predicted_peak_bytes plus fragmentation, workspaces and CUDA context: compared with capacity_bytes."""
     host_bytes_per_node: int
+    """Host RAM per node for CPU offload."""
+    staging_bytes_per_node: int
+    """Host RAM per node for async checkpoint staging."""
     step_seconds: float
     """Rough model of one optimizer step, for comparing suggestions; not a benchmark."""
     suggestions: list[Suggestion] = field(default_factory=list)
@@ -518,9 +529,11 @@ class Plan:
         others = ", ".join(f"{name} {size / GiB:.1f}" for name, size in self.moments.items()
                            if name != self.peak_moment)
         lines.append(f"  allocator peak {self.predicted_peak_bytes / GiB:.2f} GiB; other moments: {others} GiB")
-        if self.host_bytes_per_node:
-            lines.append(f"  CPU offload: {self.host_bytes_per_node / GiB:.1f} GiB host RAM per node "
-                         f"({min(self.gpus, self.gpus_per_node)} GPUs)")
+        host = [f"CPU offload {self.host_bytes_per_node / GiB:.1f} GiB"] if self.host_bytes_per_node else []
+        if self.staging_bytes_per_node:
+            host.append(f"async checkpoint staging {self.staging_bytes_per_node / GiB:.1f} GiB")
+        if host:
+            lines.append(f"  host RAM per node ({min(self.gpus, self.gpus_per_node)} GPUs): {', '.join(host)}")
         lines.append(f"verdict: fits, {self.headroom_bytes / GiB:.2f} GiB headroom "
                      f"({self.headroom_bytes / self.capacity_bytes:.0%})" if self.fits
                      else f"verdict: DOES NOT FIT: {-self.headroom_bytes / GiB:.2f} GiB over")
@@ -558,7 +571,7 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
     notes = ["torch.compile is planned as eager (Inductor usually saves less)"] if cfg.parallel.compile else []
     return Plan(setup, s.args.num_params(), gpus, gpus_per_node, s.replicate, s.shard, capacity, capacity_source,
                 rows + margins, peak_moment, moments, allocated, allocated + sum(r.bytes for r in margins),
-                _host_bytes_per_node(s), _step_seconds(s), notes=notes)
+                _host_bytes_per_node(s), _staging_bytes_per_node(cfg, s), _step_seconds(s), notes=notes)
 
 
 def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:

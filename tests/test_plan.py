@@ -127,6 +127,13 @@ def test_deferred_grad_sync_holds_unsharded_float32_gradients():
     assert row(p, "gradients") == 0
 
 
+def test_async_checkpoints_stage_the_sharded_state_in_host_memory():
+    staged = plan(cfg_for("--checkpoint.async_mode", "async_pinned"), 8, BIG)
+    assert staged.staging_bytes_per_node == 12 * P8B // 8 * 8  # float32 params + 2 AdamW moments, 8 GPUs
+    assert "async checkpoint staging 89.7 GiB" in staged.render()
+    assert plan(cfg_for("--checkpoint.async_mode", "none"), 8, BIG).staging_bytes_per_node == 0
+
+
 def test_cpu_offload_moves_state_to_host():
     p = plan(cfg_for("--parallel.cpu_offload"), 16, BIG)
     assert row(p, "parameters") == row(p, "AdamW") == 0
