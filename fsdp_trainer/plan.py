@@ -30,8 +30,9 @@ The model of memory, per GPU, in the steady state (step 2 on, once AdamW's state
 The allocator peak was checked against torch.cuda.max_memory_allocated() on one and two H200s (torch 2.11, cuDNN
 attention, fused RMSNorm) for AC none/op/selective/full, grad accumulation, deferred sync and reshard never, tied and
 untied: within 0.4% each, and on four H200s for the full 8B and 8.5B models with AC op and full (tests/test_plan.py
-keeps those numbers). torch.compile is planned as eager: Inductor saves less (up to 10% of the peak without AC), so
-the plan is an upper bound. Not checked on GPUs: CPU offload, HSDP, float16, the chunked loss.
+keeps those numbers). Compiled blocks without AC keep no SiLU output, as Inductor recomputes it (within 0.2% of the
+8B peak on four H200s); compiled per-op AC is planned as eager, an upper bound by about 3%. Not checked on GPUs:
+CPU offload, HSDP, float16, the chunked loss, two-block prefetch.
 """
 
 from __future__ import annotations
@@ -188,9 +189,14 @@ def op_ac_saved_bytes(args: ModelArgs, tokens: int, pbytes: int) -> dict[str, in
     }
 
 
-def block_bytes_by_mode(args: ModelArgs, tokens: int, pbytes: int, fused_norm: bool = True) -> dict[str, int]:
-    """Bytes one block keeps from its forward to its backward, for each way it can be run."""
-    return {"none": sum(block_saved_bytes(args, tokens, pbytes, fused_norm).values()),
+def block_bytes_by_mode(args: ModelArgs, tokens: int, pbytes: int, fused_norm: bool = True,
+                        compiled: bool = False) -> dict[str, int]:
+    """Bytes one block keeps from its forward to its backward, for each way it can be run. Compiled, a block
+    without AC keeps no SiLU output: Inductor fuses SiLU into its product and recomputes it in backward (8B, no AC,
+    4 H200s: 71.40 GiB measured, 71.27 planned so, 78.27 as eager; 1B on 2 H200s: 2.0 GiB less than eager, as
+    planned). Per-op AC is planned as eager, about 3% high."""
+    none = sum(block_saved_bytes(args, tokens, pbytes, fused_norm).values())
+    return {"none": none - (pbytes * tokens * args.ffn_hidden_dim if compiled else 0),
             "op": sum(op_ac_saved_bytes(args, tokens, pbytes).values()),
             # a checkpointed block keeps only its input and recomputes everything in its backward
             "checkpointed": pbytes * tokens * args.dim}
@@ -247,6 +253,7 @@ class _Setup:
     defer: bool
     loss_chunk: int
     prefetch: int
+    compiled: bool
 
     @property
     def tokens(self) -> int:
@@ -269,7 +276,7 @@ def _setup(cfg: Config, gpus: int, gpus_per_node: int) -> _Setup:
                   DTYPE_BYTES[p.reduce_dtype], cfg.train.seq_len, cfg.train.micro_batch_size,
                   cfg.train.grad_accum_steps, cfg.ac.mode, cfg.ac.every, p.reshard_after_forward, p.cpu_offload,
                   p.defer_grad_sync and cfg.train.grad_accum_steps > 1, cfg.train.loss_chunk_tokens,
-                  p.prefetch)
+                  p.prefetch, p.compile)
 
 
 def _moments(s: _Setup) -> dict[str, dict[str, int]]:
@@ -301,7 +308,7 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
                    grads_in_reduce + s.rbytes * numel + 4 * group.shard_numel(s.shard))
 
     modes = block_modes(s.args.n_layers, s.ac_mode, s.ac_every)
-    per_block = block_bytes_by_mode(s.args, tokens, s.pbytes)
+    per_block = block_bytes_by_mode(s.args, tokens, s.pbytes, compiled=s.compiled)
     block_acts = sum(per_block[m] for m in modes)
     chunk = min(s.loss_chunk, tokens)
     if chunk:
@@ -568,7 +575,8 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
              f"{'bfloat16' if s.pbytes == 2 else 'float32'} params, {cfg.parallel.reduce_dtype} reduce | "
              f"reshard {s.reshard}{' | cpu offload' if s.offload else ''}"
              f"{' | deferred grad sync' if s.defer else ''}")
-    notes = ["torch.compile is planned as eager (Inductor usually saves less)"] if cfg.parallel.compile else []
+    notes = (["torch.compile: blocks without AC keep no SiLU output; per-op AC is planned as eager (an upper "
+              "bound)"] if cfg.parallel.compile and s.ac_mode in ("op", "selective", "none") else [])
     return Plan(setup, s.args.num_params(), gpus, gpus_per_node, s.replicate, s.shard, capacity, capacity_source,
                 rows + margins, peak_moment, moments, allocated, allocated + sum(r.bytes for r in margins),
                 _host_bytes_per_node(s), _staging_bytes_per_node(cfg, s), _step_seconds(s), notes=notes)
@@ -580,7 +588,7 @@ def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:
     where = "in host memory (cpu offload)" if s.offload else ""
     kept = kept_after_forward(s.groups, s.reshard)
     modes = block_modes(s.args.n_layers, s.ac_mode, s.ac_every)
-    per_block = block_bytes_by_mode(s.args, s.tokens, s.pbytes)
+    per_block = block_bytes_by_mode(s.args, s.tokens, s.pbytes, compiled=s.compiled)
     block_note = ", ".join(f"{modes.count(m)} x {per_block[m] / GiB:.3f} GiB ({m})"
                            for m in ("none", "op", "checkpointed") if m in modes)
     dtype = "bfloat16" if s.pbytes == 2 else "float32"
