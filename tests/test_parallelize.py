@@ -132,3 +132,32 @@ def test_a_teams_own_model_shards_and_matches_plain_training():
     assert losses == pytest.approx(ref_losses, abs=1e-5)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, atol=1e-5, rtol=0, msg=name)
+
+
+def record_prefetch(prefetch):
+    """Which blocks each block asks FSDP2 to all-gather ahead, in forward and in backward (as block indices)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp_trainer import distributed
+    distributed.init()
+    calls = {}
+
+    def recorder(kind):
+        def record(self, modules):
+            calls.setdefault(kind, {})[id(self)] = [id(m) for m in modules]
+        return record
+
+    FSDPModule.set_modules_to_forward_prefetch = recorder("forward")
+    FSDPModule.set_modules_to_backward_prefetch = recorder("backward")
+    model = build(ARGS, device="meta")
+    apply_fsdp(model, distributed.build_mesh("cpu", 1, 1), block_types=(TransformerBlock,), prefetch=prefetch)
+    index = {id(block): i for i, block in enumerate(model.layers)}
+    return {kind: {index[k]: [index[m] for m in v] for k, v in by_block.items()} for kind, by_block in calls.items()}
+
+
+def test_prefetch_two_asks_each_block_for_the_next_two_in_both_directions():
+    assert run_ranks(record_prefetch, 1, 1) == [{}]  # FSDP2's own schedule
+    assert run_ranks(record_prefetch, 1, 2) == [{
+        "forward": {0: [1, 2], 1: [2, 3], 2: [3], 3: []},
+        "backward": {0: [], 1: [0], 2: [1, 0], 3: [2, 1]},
+    }]

@@ -126,6 +126,23 @@ def test_chunked_loss_under_fsdp_matches_reference(tmp_path, model, parallel, to
     assert_matches_reference(results, reference_run(reference_cfg, 2), loss_tol=tol[0], param_tol=tol[1])
 
 
+def test_train_step_computes_the_chunked_loss_in_the_model_when_asked(monkeypatch):
+    """With train.loss_chunk_tokens the step hands the labels to the model, once per micro-batch."""
+    from fsdp_trainer.models import llama
+    cfg = tiny_config(train={"loss_chunk_tokens": 16, "grad_accum_steps": 2})
+    chunks, real = [], llama.linear_cross_entropy
+    monkeypatch.setattr(llama, "linear_cross_entropy", lambda *args: chunks.append(args[3]) or real(*args))
+    args = model_args_from_config(cfg.model)
+    model = build(args, device="cpu")
+    model.init_weights(0)
+    optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    tokens = torch.randint(0, args.vocab_size, (2, cfg.train.seq_len + 1))
+    batches = iter([(tokens[:, :-1], tokens[:, 1:])] * 2)
+    train.train_step(model, optimizer, build_scheduler(optimizer, cfg.optim, 1), batches, cfg, None,
+                     torch.device("cpu"))
+    assert chunks == [16, 16]
+
+
 @pytest.mark.parametrize("defer", [False, True])
 def test_gradient_accumulation_equals_one_large_batch(tmp_path, defer):
     """2 ranks x 2 micro-batches x 2 samples == one process with one micro-batch of 8 samples."""
