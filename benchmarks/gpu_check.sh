@@ -5,11 +5,14 @@
 #   tests        GPU-marked tests and the SDPA backends
 #   collectives  the doctor's bandwidth table beside a bare NCCL all_reduce, on 2 GPUs and on NGPU (NGPU > 1)
 #   small        Llama 3.2 1B: throughput (eager/compiled, AC modes), FSDP vs DDP, weak scaling 1..NGPU
-#   8b           Llama 3 8B at seq 8192: eager/compiled per-op AC, compiled full AC, no AC, per-op AC micro-batch 2,
-#                two-block prefetch (eager and compiled), the chunked loss with per-op AC and with no AC
+#   8b           Llama 3 8B at seq 8192, the speed targets' settings: eager/compiled per-op AC, compiled full AC,
+#                compiled no AC, compiled per-op AC micro-batch 2
+#   levers       8B, each speed lever beside its own baseline in one sweep: two-block prefetch (eager and compiled
+#                per-op AC), the chunked loss (compiled per-op AC and no AC)
 #   profile      8B per-op AC, eager and compiled: the profiler's per-step breakdown (matmul, attention,
 #                communication and how much of it is exposed, optimizer, idle)
-#   checkpoint   8B checkpoint save/load: async_pinned, then sync
+#   checkpoint   8B checkpoint save/load, one save after 15 steps then a resume: async_pinned, then sync
+#                (CHECKPOINT_MODES overrides the modes; the disk needs room for one 12 bytes/param checkpoint)
 #   plan         the memory planner against measured peaks over a 1B/8B matrix on 1, 2 and 4 GPUs (those present)
 #   capped       the 8.5B model that OOMs under DDP on 47.4 GiB cards: its plan, then training capped at 47.4 GiB
 # Tables go to stdout; JSON (and PNG) to benchmarks/results/<date>-<gpu>x<count>/ (to $OUT/<date>-<gpu>x<count>/ when set).
@@ -30,6 +33,10 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
 throughput() { python3 benchmarks/throughput.py --nproc "$NGPU" "$@"; }
+EAGER_OP="eager opAC=--ac.mode op --parallel.no_compile"
+COMPILED_OP="compiled opAC=--ac.mode op"
+COMPILED_NONE="compiled noAC=--ac.mode none"
+lever() { echo "${1%%=*} $2=${1#*=} $3"; }  # lever "NAME=FLAGS" "what" "--its.flag value": the variant plus one lever
 for PART in "$@"; do
   echo "== $PART"
   case "$PART" in
@@ -47,15 +54,14 @@ for PART in "$@"; do
       python3 benchmarks/scaling.py --config configs/llama3_1b.toml --gpus 1 2 4 8 --steps 25 ;;
     8b)
       throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b \
-        --variant "eager opAC=--ac.mode op --parallel.no_compile" \
-        --variant "compiled opAC=--ac.mode op" \
-        --variant "compiled fullAC=--ac.mode full" \
-        --variant "compiled noAC=--ac.mode none" \
-        --variant "compiled opAC mb2=--ac.mode op --train.micro_batch_size 2" \
-        --variant "eager opAC prefetch 2=--ac.mode op --parallel.no_compile --parallel.prefetch 2" \
-        --variant "compiled opAC prefetch 2=--ac.mode op --parallel.prefetch 2" \
-        --variant "compiled opAC chunked loss=--ac.mode op --train.loss_chunk_tokens 2048" \
-        --variant "compiled noAC chunked loss=--ac.mode none --train.loss_chunk_tokens 2048" ;;
+        --variant "$EAGER_OP" --variant "$COMPILED_OP" --variant "compiled fullAC=--ac.mode full" \
+        --variant "$COMPILED_NONE" --variant "compiled opAC mb2=--ac.mode op --train.micro_batch_size 2" ;;
+    levers)
+      throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b_levers \
+        --variant "$EAGER_OP" --variant "$(lever "$EAGER_OP" "prefetch 2" "--parallel.prefetch 2")" \
+        --variant "$COMPILED_OP" --variant "$(lever "$COMPILED_OP" "prefetch 2" "--parallel.prefetch 2")" \
+        --variant "$(lever "$COMPILED_OP" "chunked loss" "--train.loss_chunk_tokens 2048")" \
+        --variant "$COMPILED_NONE" --variant "$(lever "$COMPILED_NONE" "chunked loss" "--train.loss_chunk_tokens 2048")" ;;
     profile)  # where each step's GPU time goes, eager and compiled (the trace files stay on the machine)
       for compile in no_compile compile; do
         python3 -m torch.distributed.run --nproc_per_node="$NGPU" -m fsdp_trainer.train --config configs/llama3_8b.toml \
@@ -64,8 +70,9 @@ for PART in "$@"; do
           --checkpoint.no_save_final --metrics.no_tensorboard 2>&1 | grep -E "profile of steps|step 14/"
       done ;;
     checkpoint)
-      python3 benchmarks/checkpoint_io.py --config configs/llama3_8b.toml --nproc "$NGPU" --steps 30 --interval 15 \
-        --modes async_pinned none -- --parallel.no_compile ;;
+      df -h /tmp | tail -1
+      python3 benchmarks/checkpoint_io.py --config configs/llama3_8b.toml --nproc "$NGPU" --steps 16 --interval 15 \
+        --modes ${CHECKPOINT_MODES:-async_pinned none} -- --parallel.no_compile --checkpoint.no_save_final ;;
     plan)
       python3 benchmarks/plan_accuracy.py ;;
     capped)
