@@ -171,9 +171,11 @@ class CheckpointConfig:
     """Also save when this many minutes passed since the last save (0: off)."""
     keep: int = 3
     """Keep the newest k complete checkpoints; older ones are deleted after a newer one is complete."""
-    async_mode: Literal["none", "async", "async_pinned"] = "async"
-    """none: training waits for the write; async: waits only while the state is copied to host memory;
-    async_pinned: like async, staging into reused pinned buffers (fastest on GPU, holds host memory)."""
+    async_mode: Literal["none", "async", "async_pinned"] = "async_pinned"
+    """async_pinned: training waits only while the state is copied into host buffers allocated once after step 1
+    and reused (pinned on GPUs; holds 12 bytes/param per node of host memory for the whole run); async: the
+    same into fresh pageable memory at every save (slower: 61 s blocked vs 0.95 s for 8B on 2 H200s); none:
+    training waits for the whole write."""
     write_threads: int = 4
     """Files each rank writes in parallel per save (DCP's writer threads). Parallel and network file systems
     reward more concurrent writers; a single local disk is limited by its own bandwidth either way."""

@@ -288,14 +288,23 @@ def test_async_pinned_allocates_its_staging_buffers_after_the_first_step(tmp_pat
 
 
 def test_pinned_stager_reuses_its_buffers():
-    """async_pinned copies into the same host buffers at every save (torch 2.11's DefaultStager drops them)."""
+    """async_pinned copies into the same host buffers at every save (torch 2.11's DefaultStager drops them): views
+    of one flat allocation, whatever the dtypes and shapes, non-tensor entries kept as they are."""
     stager = ck.ReusedBufferStager(torch.device("cpu"))
-    state = {"w": torch.ones(4), "nested": {"b": torch.zeros(2)}}
+    state = {"w": torch.ones(4), "nested": {"b": torch.zeros(3, dtype=torch.bfloat16), "step": torch.tensor(7),
+                                            "empty": torch.zeros(0, 5), "odd": torch.arange(3, dtype=torch.int8)},
+             "groups": [{"lr": 0.1, "params": [0, 1]}]}
     first = stager.stage(state)
     state["w"].add_(1)
     second = stager.stage(state)
     assert second["w"].data_ptr() == first["w"].data_ptr() != state["w"].data_ptr()
-    assert torch.equal(second["w"], torch.full((4,), 2.0)) and torch.equal(second["nested"]["b"], torch.zeros(2))
+    assert torch.equal(second["w"], torch.full((4,), 2.0)) and second["groups"] == [{"lr": 0.1, "params": [0, 1]}]
+    for key, want in state["nested"].items():
+        got = second["nested"][key]
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), key
+    flat = stager._flat
+    for staged in (second["w"], second["nested"]["odd"]):
+        assert flat.data_ptr() <= staged.data_ptr() < flat.data_ptr() + flat.numel()
 
 
 @pytest.mark.parametrize("tied", [False, True])
