@@ -6,6 +6,7 @@ The trace opens in Perfetto (ui.perfetto.dev) or TensorBoard; the snapshot in py
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
 from pathlib import Path
@@ -20,8 +21,12 @@ CATEGORIES = {
     "communication": ("nccl", "allgather", "reducescatter", "allreduce"),
     "attention": ("flash", "fmha", "cudnn", "attention", "sdpa"),
     "matmul": ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "wgmma"),
-    "optimizer": ("adam", "multi_tensor", "foreach"),
 }
+# The training step's record_function range around clipping, the optimizer step and zero_grad. Its kernels are told
+# apart by when they run, not by name: FSDP2's all-gather copy-in and copy-out are foreach kernels too. The trace
+# gives a kernel only to its innermost range, so torch's own "Optimizer.step#AdamW.step" (and zero_grad) count too.
+OPTIMIZER_RANGE = "optimizer"
+OPTIMIZER_RANGES = (OPTIMIZER_RANGE, "Optimizer.")
 
 
 def parse_steps(spec: str) -> tuple[int, int]:
@@ -73,13 +78,22 @@ def _subtract(spans: list[tuple[float, float]], cover: list[tuple[float, float]]
 
 def breakdown(trace: dict) -> dict[str, float]:
     """Milliseconds of GPU time per category over the trace's kernels, plus `exposed_communication`
-    (communication running while no compute kernel runs) and `idle` (no kernel at all)."""
-    kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    (communication running while no compute kernel runs) and `idle` (no kernel at all). A kernel that starts
+    inside the GPU-side span of the `optimizer` range counts as optimizer, unless it is communication."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
     if not kernels:
         return {}
+    optimizer = _union([(e["ts"], e["ts"] + e["dur"]) for e in events
+                        if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith(OPTIMIZER_RANGES)])
+    starts = [start for start, _ in optimizer]
     spans: dict[str, list[tuple[float, float]]] = {}
     for event in kernels:
-        spans.setdefault(category(event["name"]), []).append((event["ts"], event["ts"] + event["dur"]))
+        cat = category(event["name"])
+        i = bisect.bisect_right(starts, event["ts"]) - 1
+        if cat != "communication" and i >= 0 and event["ts"] < optimizer[i][1]:
+            cat = "optimizer"
+        spans.setdefault(cat, []).append((event["ts"], event["ts"] + event["dur"]))
     result = {cat: _length(_union(s)) / 1e3 for cat, s in spans.items()}
     compute = _union([iv for cat, s in spans.items() if cat != "communication" for iv in s])
     comm = _union(spans.get("communication", []))

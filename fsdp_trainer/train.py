@@ -36,7 +36,7 @@ from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_c
 from fsdp_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
 from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile, apply_fsdp, init_weights
 from fsdp_trainer.plan import Plan, check_fits
-from fsdp_trainer.profiling import StepProfiler
+from fsdp_trainer.profiling import OPTIMIZER_RANGE, StepProfiler
 
 
 def build_model(cfg: Config, mesh, device: torch.device):
@@ -80,17 +80,18 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
         (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach()
         lap("forward_backward")
-    if scaler:
-        scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-    if scaler:  # the scaler skips steps with inf/NaN gradients itself, and lowers the scale
-        scaler.step(optimizer)
-        scaler.update()
-    elif guard:
-        guard.step(optimizer, grad_norm)
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with torch.profiler.record_function(OPTIMIZER_RANGE):  # the profile's breakdown attributes kernels by it
+        if scaler:
+            scaler.unscale_(optimizer)
+        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+        if scaler:  # the scaler skips steps with inf/NaN gradients itself, and lowers the scale
+            scaler.step(optimizer)
+            scaler.update()
+        elif guard:
+            guard.step(optimizer, grad_norm)
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     lap("optimizer")
     return loss_sum, grad_norm

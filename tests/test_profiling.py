@@ -21,17 +21,24 @@ def test_breakdown_separates_overlapped_and_exposed_communication():
         kernel("ncclDevKernel_AllGather_RING", 500, 1000),    # comm 0.5-1.5 ms: 0.5 ms exposed
         kernel("flash_fwd_kernel", 2000, 500),                # idle 1.5-2 ms, attention 2-2.5 ms
         kernel("ncclDevKernel_ReduceScatter", 2100, 200),     # fully hidden under attention
-        kernel("multi_tensor_apply_kernel<Adam>", 3000, 250),  # idle 2.5-3 ms
+        kernel("multi_tensor_apply_kernel<Copy>", 2600, 100),  # FSDP's copy-out: a foreach kernel, not optimizer
+        kernel("multi_tensor_apply_kernel<Norm>", 3000, 50),  # gradient clipping, in our optimizer range
+        kernel("ncclDevKernel_AllReduce", 3050, 50),          # the gradient norm's all_reduce: communication
+        kernel("multi_tensor_apply_kernel<Adam>", 3100, 200),  # in torch's nested Optimizer.step range
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "optimizer", "ts": 3000, "dur": 100},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 3100, "dur": 200},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "FSDP::copy_out", "ts": 2600, "dur": 100},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9999},  # not a kernel: ignored
     ]}
     parts = breakdown(trace)
     assert parts["matmul"] == pytest.approx(1.0)
     assert parts["attention"] == pytest.approx(0.5)
-    assert parts["communication"] == pytest.approx(1.2)
-    assert parts["exposed_communication"] == pytest.approx(0.5)
+    assert parts["communication"] == pytest.approx(1.25)
+    assert parts["exposed_communication"] == pytest.approx(0.55)
     assert parts["optimizer"] == pytest.approx(0.25)
-    assert parts["wall"] == pytest.approx(3.25)
-    assert parts["idle"] == pytest.approx(1.0)
+    assert parts["other"] == pytest.approx(0.1)
+    assert parts["wall"] == pytest.approx(3.3)
+    assert parts["idle"] == pytest.approx(0.9)  # 1.5-2, 2.5-2.6 and 2.7-3 ms
 
 
 def test_kernel_categories_and_step_ranges():
