@@ -30,9 +30,10 @@ The model of memory, per GPU, in the steady state (step 2 on, once AdamW's state
 The allocator peak was checked against torch.cuda.max_memory_allocated() on one and two H200s (torch 2.11, cuDNN
 attention, fused RMSNorm) for AC none/op/selective/full, grad accumulation, deferred sync and reshard never, tied and
 untied: within 0.4% each, and on four H200s for the full 8B and 8.5B models with AC op and full (tests/test_plan.py
-keeps those numbers). Compiled blocks without AC keep no SiLU output, as Inductor recomputes it (within 0.2% of the
-8B peak on four H200s); compiled per-op AC is planned as eager, an upper bound by about 3%. Not checked on GPUs:
-CPU offload, HSDP, float16, the chunked loss, two-block prefetch.
+keeps those numbers). Compiled blocks without AC keep no SiLU output, as Inductor recomputes it, and compiled per-op
+AC blocks keep no w2 output, which no backward reads (each within 0.2% of the 8B peaks on two and four H200s). The
+chunked loss and two-block prefetch were checked on two H200s (within 2%). Not checked on GPUs: CPU offload, HSDP,
+float16.
 """
 
 from __future__ import annotations
@@ -191,13 +192,15 @@ def op_ac_saved_bytes(args: ModelArgs, tokens: int, pbytes: int) -> dict[str, in
 
 def block_bytes_by_mode(args: ModelArgs, tokens: int, pbytes: int, fused_norm: bool = True,
                         compiled: bool = False) -> dict[str, int]:
-    """Bytes one block keeps from its forward to its backward, for each way it can be run. Compiled, a block
-    without AC keeps no SiLU output: Inductor fuses SiLU into its product and recomputes it in backward (8B, no AC,
-    4 H200s: 71.40 GiB measured, 71.27 planned so, 78.27 as eager; 1B on 2 H200s: 2.0 GiB less than eager, as
-    planned). Per-op AC is planned as eager, about 3% high."""
+    """Bytes one block keeps from its forward to its backward, for each way it can be run. Compiled, Inductor's
+    partitioner keeps only what the backward reads. A block without AC then keeps no SiLU output: SiLU is fused
+    into its product and recomputed in backward (8B, no AC, 4 H200s: 71.40 GiB measured, 71.27 planned so, 78.27
+    as eager). A per-op AC block keeps no w2 output, which eager SAC saves only because it is a matmul's (8B on 2
+    H200s: exactly 2.00 GiB, 32 x 8192 x 4096 x 2 bytes, below eager)."""
     none = sum(block_saved_bytes(args, tokens, pbytes, fused_norm).values())
+    op = op_ac_saved_bytes(args, tokens, pbytes)
     return {"none": none - (pbytes * tokens * args.ffn_hidden_dim if compiled else 0),
-            "op": sum(op_ac_saved_bytes(args, tokens, pbytes).values()),
+            "op": sum(op.values()) - (op["w2 output"] if compiled else 0),
             # a checkpointed block keeps only its input and recomputes everything in its backward
             "checkpointed": pbytes * tokens * args.dim}
 
@@ -575,8 +578,8 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
              f"{'bfloat16' if s.pbytes == 2 else 'float32'} params, {cfg.parallel.reduce_dtype} reduce | "
              f"reshard {s.reshard}{' | cpu offload' if s.offload else ''}"
              f"{' | deferred grad sync' if s.defer else ''}")
-    notes = (["torch.compile: blocks without AC keep no SiLU output; per-op AC is planned as eager (an upper "
-              "bound)"] if cfg.parallel.compile and s.ac_mode in ("op", "selective", "none") else [])
+    notes = (["torch.compile: blocks keep only what their backward reads (no SiLU output without AC, no w2 "
+              "output with per-op AC)"] if cfg.parallel.compile and s.ac_mode in ("op", "selective", "none") else [])
     return Plan(setup, s.args.num_params(), gpus, gpus_per_node, s.replicate, s.shard, capacity, capacity_source,
                 rows + margins, peak_moment, moments, allocated, allocated + sum(r.bytes for r in margins),
                 _host_bytes_per_node(s), _staging_bytes_per_node(cfg, s), _step_seconds(s), notes=notes)
