@@ -10,7 +10,7 @@
 #   levers       8B, each speed lever beside its own baseline in one sweep: two-block prefetch (eager and compiled
 #                per-op AC), the chunked loss (compiled per-op AC and no AC)
 #   profile      8B per-op AC, eager and compiled: the profiler's per-step breakdown (matmul, attention,
-#                communication and how much of it is exposed, optimizer, idle)
+#                communication and how much of it is exposed, optimizer, idle), also in results/.../profile_llama3_8b.log
 #   checkpoint   8B checkpoint save/load, one save after 15 steps then a resume: async_pinned, then sync
 #                (CHECKPOINT_MODES overrides the modes; the disk needs room for one 12 bytes/param checkpoint)
 #   plan         the memory planner against measured peaks over a 1B/8B matrix on 1, 2 and 4 GPUs (those present)
@@ -63,11 +63,14 @@ for PART in "$@"; do
         --variant "$(lever "$COMPILED_OP" "chunked loss" "--train.loss_chunk_tokens 2048")" \
         --variant "$COMPILED_NONE" --variant "$(lever "$COMPILED_NONE" "chunked loss" "--train.loss_chunk_tokens 2048")" ;;
     profile)  # where each step's GPU time goes, eager and compiled (the trace files stay on the machine)
+      log="$(cd benchmarks && python3 -c "from results import result_dir; print(result_dir($NGPU))")/profile_llama3_8b.log"
       for compile in no_compile compile; do
-        python3 -m torch.distributed.run --nproc_per_node="$NGPU" -m fsdp_trainer.train --config configs/llama3_8b.toml \
-          --ac.mode op --parallel.$compile --train.steps 14 --train.log_every 7 --profile.steps 12:13 \
-          --train.output_dir "/tmp/profile_$compile" --checkpoint.interval 0 --checkpoint.resume none \
-          --checkpoint.no_save_final --metrics.no_tensorboard 2>&1 | grep -E "profile of steps|step 14/"
+        cmd=(python3 -m torch.distributed.run --nproc_per_node="$NGPU" -m fsdp_trainer.train
+          --config configs/llama3_8b.toml --ac.mode op --parallel.$compile --train.steps 14 --train.log_every 7
+          --profile.steps 12:13 --train.output_dir "/tmp/profile_$compile" --checkpoint.interval 0
+          --checkpoint.resume none --checkpoint.no_save_final --metrics.no_tensorboard)
+        echo "\$ ${cmd[*]}" | tee -a "$log"
+        "${cmd[@]}" 2>&1 | grep -E "profile of steps|step 14/" | tee -a "$log"
       done ;;
     checkpoint)
       df -h /tmp | tail -1
