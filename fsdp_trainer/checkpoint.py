@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_trainer.config import Config, ConfigError, load_toml, mesh_shape, to_toml
 from fsdp_trainer.data import samples_per_step
@@ -416,12 +416,6 @@ class ReusedBufferStager:
         if self.pin and self._flat is not None and self._flat.numel():
             torch.cuda.cudart().cudaHostUnregister(self._flat.data_ptr())
         self._flat = self._buffers = None
-
-
-def _tensor_bytes(state: dict) -> int:
-    """Bytes of this rank's tensors in a nested state dict (a DTensor's local shard)."""
-    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tree_leaves(state)]
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _test_crash(point: str, step: int) -> None:

@@ -31,17 +31,23 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     assert again == cfg
 
 
+def toml_error(tmp_path, text: str) -> tuple[Path, str]:
+    """The ConfigError that loading this TOML text raises: (the file, the message)."""
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_toml(path)
+    return path, str(err.value)
+
+
 @pytest.mark.parametrize("text,expected", [
     ("[train]\nstep = 5\n", "unknown key 'train.step'; did you mean 'train.steps'?"),
     ("[trian]\nsteps = 5\n", "unknown key 'trian'; did you mean 'train'?"),
     ("[model]\nname = 'debug'\nn_layer = 2\n", "did you mean 'model.n_layers'?"),
 ])
 def test_unknown_toml_key_names_key_file_and_closest_match(tmp_path, text, expected):
-    path = tmp_path / "typo.toml"
-    path.write_text(text)
-    with pytest.raises(ConfigError) as err:
-        load_toml(path)
-    assert expected in str(err.value) and str(path) in str(err.value)
+    path, message = toml_error(tmp_path, text)
+    assert expected in message and str(path) in message
 
 
 def test_missing_and_malformed_config_files(tmp_path):
@@ -140,10 +146,7 @@ def test_bad_flag_value_is_rejected_by_the_cli():
     ('[model]\ndim = 1.5\n', "model.dim = 1.5: expected int"),
 ])
 def test_toml_values_are_type_checked_like_flags(tmp_path, text, message):
-    path = tmp_path / "bad.toml"
-    path.write_text(text)
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        load_toml(path)
+    assert message in toml_error(tmp_path, text)[1]
 
 
 def test_toml_numbers_are_coerced_where_a_float_is_expected(tmp_path):
