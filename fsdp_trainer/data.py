@@ -358,6 +358,17 @@ def _ignore_stop_signals(worker_id: int) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
+def stop_workers(batches) -> None:
+    """Stop the loader's worker processes now, whether training ended or raised.
+
+    They ignore SIGTERM (`_ignore_stop_signals`), and Python's exit stops leftover children with SIGTERM and then
+    waits for them. A rank that raised keeps its loader referenced from the traceback until then, so it would hang
+    at exit instead of ending the job."""
+    shutdown = getattr(batches, "_shutdown_workers", None)  # the multi-process iterator's own shutdown
+    if shutdown is not None:
+        shutdown()
+
+
 def build_dataloader(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, grad_accum_steps: int, dp_rank: int,
                      dp_size: int, vocab_size: int, start_sample: int = 0,
                      device_type: str = "cpu") -> StatefulDataLoader:

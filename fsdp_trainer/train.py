@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from fsdp_trainer import distributed
 from fsdp_trainer.checkpoint import CheckpointError, Checkpointer
 from fsdp_trainer.config import Config, ConfigError, mesh_shape, parse_args, resolve_param_dtype, to_toml, validate
-from fsdp_trainer.data import build_dataloader, check_source, samples_per_step
+from fsdp_trainer.data import build_dataloader, check_source, samples_per_step, stop_workers
 from fsdp_trainer.distributed import logger
 from fsdp_trainer.faults import NonFiniteError, NonFiniteGuard, Watchdog, describe_oom, enable_flight_recorder
 from fsdp_trainer.metrics import GiB, Metrics, PhaseTimer, environment, write_run_info
@@ -188,6 +188,7 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     finally:
         watchdog.stop()
         metrics.close()
+        stop_workers(batches)
     return {"step": progress.step, "history": history, "model": model, "optimizer": optimizer, "scaler": scaler}
 
 

@@ -43,6 +43,15 @@ def test_a_crashed_rank_ends_the_job_naming_it_with_its_traceback(tmp_path):
     assert elapsed < 60, elapsed
 
 
+def test_a_crash_on_every_rank_ends_the_job_with_loader_workers_running(tmp_path):
+    # The workers ignore SIGTERM so that a preempted rank can checkpoint; they must not keep a failed rank alive.
+    proc, elapsed = launch("crash", "all", 3, tmp_path, "--train.steps", "6", "--checkpoint.interval", "0",
+                           "--checkpoint.no_save_final", "--data.num_workers", "2", timeout=120)
+    assert proc.returncode != 0
+    assert "injected crash" in proc.stderr
+    assert elapsed < 60, elapsed
+
+
 def test_nonfinite_step_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     proc, _ = launch("nan", "all", 5, tmp_path, "--train.steps", "8", "--checkpoint.interval", "2",
                      "--checkpoint.async_mode", "none")
