@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_trainer.models.llama import PRESETS, ModelArgs, apply_rope, build, rope_table
+from fsdp_trainer.models.llama import PRESETS, ModelArgs, _rope_complex, _rope_real, apply_rope, build, rope_table
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -34,21 +34,43 @@ def test_flops_per_token_counts_matmuls_and_attention():
     assert 8572 * args.flops_per_token(8192) / 989e12 == pytest.approx(0.502, abs=0.001)
 
 
-def test_rope_matches_complex_rotation_and_encodes_relative_position():
-    head_dim, table = 16, rope_table(16, 64, 10000.0)
-    x = torch.randn(1, 64, 2, head_dim)
-    freqs = 10000.0 ** (-torch.arange(0, head_dim, 2).float() / head_dim)
-    rotation = torch.polar(torch.ones(64, head_dim // 2), torch.outer(torch.arange(64).float(), freqs))
-    expected = torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rotation[:, None]).flatten(3)
-    torch.testing.assert_close(apply_rope(x, table), expected)
+@pytest.mark.parametrize("rope", [_rope_complex, _rope_real], ids=["eager (complex)", "compiled (real)"])
+def test_rope_rotates_each_pair_and_encodes_relative_position(rope):
+    head_dim, seq, theta, table = 16, 64, 10000.0, rope_table(16, 64, 10000.0)
+    x = torch.randn(1, seq, 2, head_dim, dtype=torch.bfloat16)
+    # Pair k of position m turns by the angle m * theta^(-2k/d): a 2x2 rotation matrix per pair.
+    angles = torch.outer(torch.arange(seq).double(), theta ** (-torch.arange(0, head_dim, 2).double() / head_dim))
+    matrices = torch.stack((torch.stack((angles.cos(), -angles.sin()), -1),
+                            torch.stack((angles.sin(), angles.cos()), -1)), -2)  # [seq, pairs, 2, 2]
+    expected = torch.einsum("spij,bshpj->bshpi", matrices, x.double().unflatten(-1, (-1, 2))).flatten(3)
+    rotated = rope(x, table)
+    assert rotated.dtype == torch.bfloat16
+    torch.testing.assert_close(rotated, expected.to(torch.bfloat16))
     q, k = torch.randn(head_dim), torch.randn(head_dim)
 
     def score(m, n):
-        qs = apply_rope(q.expand(1, 64, 1, head_dim), table)[0, m, 0]
-        ks = apply_rope(k.expand(1, 64, 1, head_dim), table)[0, n, 0]
+        qs = rope(q.expand(1, seq, 1, head_dim), table)[0, m, 0]
+        ks = rope(k.expand(1, seq, 1, head_dim), table)[0, n, 0]
         return qs @ ks
 
     assert score(10, 3).item() == pytest.approx(score(40, 33).item(), rel=1e-4)
+
+
+def test_rope_table_is_not_cast_by_fsdp_mixed_precision():
+    # FSDP2 casts floating-point forward arguments to param_dtype; a complex table passes into the blocks as is.
+    table = rope_table(128, 16, 500000.0)
+    assert table.dtype == torch.complex64 and not table.is_floating_point()
+
+
+def test_rope_formulations_agree_in_value_and_gradient():
+    table = rope_table(128, 256, 500000.0)
+    x = torch.randn(2, 256, 4, 128, requires_grad=True)
+    grad = torch.randn(2, 256, 4, 128)
+    (complex_grad,) = torch.autograd.grad(_rope_complex(x, table), x, grad)
+    (real_grad,) = torch.autograd.grad(_rope_real(x, table), x, grad)
+    torch.testing.assert_close(_rope_complex(x, table), _rope_real(x, table))
+    torch.testing.assert_close(complex_grad, real_grad)
+    assert apply_rope(x, table).equal(_rope_complex(x, table))  # eager takes the complex multiply
 
 
 def test_output_is_causal_and_tied_weights_share_storage():
