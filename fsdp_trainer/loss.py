@@ -1,12 +1,15 @@
-"""Cross-entropy of an output projection computed a chunk of tokens at a time: the logits of the whole sequence
-never exist.
+"""The training loss, cross-entropy in float32, computed one of three ways.
 
-At seq 8192 and Llama 3's 128K vocabulary, `F.cross_entropy(logits.float(), labels)` holds the logits in bf16
-(2 GiB) and, at its backward, three float32 tensors of the same shape (12 GiB). Here each chunk's logits are made,
-turned into that chunk's loss and its gradients with respect to the hidden states and the projection weight, and
-dropped. The gradients are therefore computed in the forward pass (the loss is the last operation, so they are
-already known up to the scale that backward brings) and held until backward, at the size of the hidden states and
-of the weight.
+- Eager, `cross_entropy` of the logits holds at its backward three float32 tensors of the logits' size beside
+  them: log-softmax's output saved by the forward, nll_loss's gradient and log-softmax's input gradient. At seq 8192
+  and Llama 3's 128K vocabulary that is 12 GiB over the 2 GiB of bfloat16 logits.
+- Compiled with the blocks (`compiled_cross_entropy`), Inductor saves only the logits and a log-sum-exp per token,
+  and its backward writes the logits' gradient in param_dtype in one pass: no float32 tensor of that size exists.
+- Chunked (`train.loss_chunk_tokens`, `linear_cross_entropy`), the logits of the whole sequence never exist: each
+  chunk's logits are made, turned into that chunk's loss and its gradients with respect to the hidden states and
+  the projection weight, and dropped. The gradients are therefore computed in the forward pass (the loss is the
+  last operation, so they are already known up to the scale that backward brings) and held until backward, at the
+  size of the hidden states and of the weight.
 """
 
 from __future__ import annotations
@@ -14,6 +17,16 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of the cross-entropy of logits [..., vocab] (any float dtype) in float32."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+
+# Compiled on first call, for one shape per run (train.seq_len x micro_batch_size).
+compiled_cross_entropy = torch.compile(cross_entropy, fullgraph=True)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -31,7 +31,8 @@ The allocator peak was checked against torch.cuda.max_memory_allocated() on one 
 attention, fused RMSNorm) for AC none/op/selective/full, grad accumulation, deferred sync and reshard never, tied and
 untied: within 0.4% each, and on four H200s for the full 8B and 8.5B models with AC op and full (tests/test_plan.py
 keeps those numbers). Compiled blocks without AC keep no SiLU output, as Inductor recomputes it, and compiled per-op
-AC blocks keep no w2 output, which no backward reads (each within 0.2% of the 8B peaks on two and four H200s). The
+AC blocks keep no w2 output, which no backward reads (each within 0.2% of the 8B peaks on two and four H200s); the
+compiled loss holds the logits and their param_dtype gradient, no float32 buffers (`fsdp_trainer.loss`). The
 chunked loss and two-block prefetch were checked on two H200s (within 2%). Not checked on GPUs: CPU offload, HSDP,
 float16.
 """
@@ -352,10 +353,12 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
                                         "logits": hidden_grads + root_or_output_grads
                                         + (4 + s.pbytes) * chunk * vocab}}
     else:
-        # cross_entropy's backward: log_softmax's float32 output, nll_loss's float32 gradient and log_softmax's
-        # float32 input gradient at once, next to the param_dtype logits.
+        # cross_entropy's backward, next to the param_dtype logits. Eager: log_softmax's float32 output, nll_loss's
+        # float32 gradient and log_softmax's float32 input gradient at once. Compiled: the logits' param_dtype
+        # gradient, written in one pass (`fsdp_trainer.loss`).
+        loss_buffers = s.pbytes * tokens * vocab if s.compiled else 3 * 4 * tokens * vocab
         loss_moment = {"loss backward": {**base, "blocks": block_acts, "head": head,
-                                         "logits": held_logits + 3 * 4 * tokens * vocab}}
+                                         "logits": held_logits + loss_buffers}}
     return {
         **loss_moment,
         # output projection's backward: logits and their param_dtype gradient (chunked: the hidden states'
@@ -579,7 +582,8 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
              f"reshard {s.reshard}{' | cpu offload' if s.offload else ''}"
              f"{' | deferred grad sync' if s.defer else ''}")
     notes = (["torch.compile: blocks keep only what their backward reads (no SiLU output without AC, no w2 "
-              "output with per-op AC)"] if cfg.parallel.compile and s.ac_mode in ("op", "selective", "none") else [])
+              "output with per-op AC); the compiled loss makes no float32 copy of the logits"]
+             if cfg.parallel.compile else [])
     return Plan(setup, s.args.num_params(), gpus, gpus_per_node, s.replicate, s.shard, capacity, capacity_source,
                 rows + margins, peak_moment, moments, allocated, allocated + sum(r.bytes for r in margins),
                 _host_bytes_per_node(s), _staging_bytes_per_node(cfg, s), _step_seconds(s), notes=notes)
@@ -607,7 +611,8 @@ def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:
         "blocks": block_note,
         "head": "",
         "logits": (f"chunks of {min(s.loss_chunk, s.tokens)} tokens; the loss's gradients held to backward"
-                   if s.loss_chunk else f"[{s.tokens}, {s.args.vocab_size}] in {dtype} + 3 float32 at the loss backward"),
+                   if s.loss_chunk else f"[{s.tokens}, {s.args.vocab_size}] in {dtype} + "
+                   + ("its gradient (compiled loss)" if s.compiled else "3 float32 at the loss backward")),
         "work": "",
     }
 

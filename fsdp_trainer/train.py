@@ -22,7 +22,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdp_trainer import distributed
@@ -31,6 +30,7 @@ from fsdp_trainer.config import Config, ConfigError, mesh_shape, parse_args, res
 from fsdp_trainer.data import build_dataloader, check_source, samples_per_step, stop_workers
 from fsdp_trainer.distributed import logger
 from fsdp_trainer.faults import NonFiniteError, NonFiniteGuard, Watchdog, describe_oom, enable_flight_recorder
+from fsdp_trainer.loss import compiled_cross_entropy, cross_entropy
 from fsdp_trainer.metrics import GiB, Metrics, PhaseTimer, environment, write_run_info
 from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
@@ -65,6 +65,7 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
     device tensors: nothing here waits for the GPU. `phases` times data, forward+backward and optimizer."""
     lap = phases.lap if phases else lambda phase: None
     accum = cfg.train.grad_accum_steps
+    loss_of = compiled_cross_entropy if cfg.parallel.compile else cross_entropy
     loss_sum = torch.zeros((), device=device)
     for micro in range(accum):
         inputs, labels = (t.to(device, non_blocking=True) for t in next(batches))
@@ -76,7 +77,7 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
             loss = model(inputs, labels, cfg.train.loss_chunk_tokens) / accum
         else:
             logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / accum
+            loss = loss_of(logits, labels) / accum
         (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach()
         lap("forward_backward")

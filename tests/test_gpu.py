@@ -51,6 +51,32 @@ def test_compiled_blocks_match_eager(info, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-3)
 
 
+def test_compiled_loss_matches_eager_and_makes_no_float32_copy_of_the_logits():
+    from fsdp_trainer.loss import compiled_cross_entropy, cross_entropy
+    tokens, vocab = 4096, 32768
+    logits_bytes = 2 * tokens * vocab
+    labels = torch.randint(0, vocab, (1, tokens), device="cuda")
+    source = torch.randn(1, tokens, vocab, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for name, loss_of in (("eager", cross_entropy), ("compiled", compiled_cross_entropy)):
+        for attempt in range(2):  # the first compiled call also compiles; measure the second
+            logits = source.clone().requires_grad_()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            loss = loss_of(logits, labels)
+            loss.backward()
+            torch.cuda.synchronize()
+            results[name] = (loss.detach(), logits.grad, torch.cuda.max_memory_allocated() - base)
+    (eager_loss, eager_grad, eager_peak), (loss, grad, peak) = results["eager"], results["compiled"]
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, eager_grad, rtol=2e-2, atol=1e-6)
+    # Beyond the logits: eager holds three float32 tensors of their size; compiled only their bfloat16 gradient.
+    assert eager_peak > 5 * logits_bytes
+    assert peak < 1.1 * logits_bytes, (peak / logits_bytes, eager_peak / logits_bytes)
+
+
 def test_cpu_offload_trains(info, tmp_path):
     history = _run(info, tmp_path, parallel={"cpu_offload": True}, train={"steps": 10})["history"]
     assert history[-1]["loss"] < history[0]["loss"]
