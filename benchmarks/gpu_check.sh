@@ -8,9 +8,10 @@
 #   8b           Llama 3 8B at seq 8192, the speed targets' settings: eager/compiled per-op AC, compiled full AC,
 #                compiled no AC, compiled per-op AC micro-batch 2
 #   levers       8B, each speed lever beside its own baseline in one sweep: two-block prefetch (eager and compiled
-#                per-op AC), the chunked loss (compiled per-op AC and no AC)
+#                per-op AC), the chunked loss (compiled per-op AC and no AC), NCCL limited to 16 and 8 CTAs
 #   profile      8B per-op AC, eager and compiled: the profiler's per-step breakdown (matmul, attention,
-#                communication and how much of it is exposed, optimizer, idle), also in results/.../profile_llama3_8b.log
+#                communication and how much of it is exposed, optimizer, idle), and the heaviest kernels of both,
+#                in results/.../profile_llama3_8b.log
 #   checkpoint   8B checkpoint save/load, one save after 15 steps then a resume: async_pinned, then sync
 #                (CHECKPOINT_MODES overrides the modes; the disk needs room for one 12 bytes/param checkpoint)
 #   plan         the memory planner against measured peaks over a 1B/8B matrix on 1, 2 and 4 GPUs (those present)
@@ -61,7 +62,9 @@ for PART in "$@"; do
         --variant "$EAGER_OP" --variant "$(lever "$EAGER_OP" "prefetch 2" "--parallel.prefetch 2")" \
         --variant "$COMPILED_OP" --variant "$(lever "$COMPILED_OP" "prefetch 2" "--parallel.prefetch 2")" \
         --variant "$(lever "$COMPILED_OP" "chunked loss" "--train.loss_chunk_tokens 2048")" \
-        --variant "$COMPILED_NONE" --variant "$(lever "$COMPILED_NONE" "chunked loss" "--train.loss_chunk_tokens 2048")" ;;
+        --variant "$COMPILED_NONE" --variant "$(lever "$COMPILED_NONE" "chunked loss" "--train.loss_chunk_tokens 2048")" \
+        --variant "${COMPILED_OP%%=*} 16 NCCL CTAs=NCCL_MAX_CTAS=16 ${COMPILED_OP#*=}" \
+        --variant "${COMPILED_OP%%=*} 8 NCCL CTAs=NCCL_MAX_CTAS=8 ${COMPILED_OP#*=}" ;;
     profile)  # where each step's GPU time goes, eager and compiled (the trace files stay on the machine)
       log="$(cd benchmarks && python3 -c "from results import result_dir; print(result_dir($NGPU))")/profile_llama3_8b.log"
       for compile in no_compile compile; do
@@ -71,7 +74,9 @@ for PART in "$@"; do
           --checkpoint.resume none --checkpoint.no_save_final --metrics.no_tensorboard)
         echo "\$ ${cmd[*]}" | tee -a "$log"
         "${cmd[@]}" 2>&1 | grep -E "profile of steps|step 14/" | tee -a "$log"
-      done ;;
+      done
+      python3 benchmarks/kernels.py /tmp/profile_{no_compile,compile}/profile/trace_rank0_steps12-13.json --steps 2 \
+        >> "$log" ;;
     checkpoint)
       df -h /tmp | tail -1
       python3 benchmarks/checkpoint_io.py --config configs/llama3_8b.toml --nproc "$NGPU" --steps 16 --interval 15 \

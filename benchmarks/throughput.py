@@ -3,7 +3,11 @@ forward+backward, optimizer; exposed communication comes from `--profile.steps`)
 
     python benchmarks/throughput.py --config configs/llama3_8b.toml --nproc 4 --steps 30 \\
         --variant "eager op-AC=--ac.mode op" \\
-        --variant "compiled op-AC=--ac.mode op --parallel.compile"
+        --variant "compiled op-AC=--ac.mode op --parallel.compile" \\
+        --variant "compiled op-AC, 16 NCCL CTAs=NCCL_MAX_CTAS=16 --ac.mode op --parallel.compile"
+
+A variant's flags may start with environment assignments (NAME=value), set for that run only: NCCL and CUDA
+allocator settings are levers too.
 
 Each variant is a real `torchrun -m fsdp_trainer.train` run; rates are averaged over the logging windows after
 `--warmup` steps (compilation and allocator warm-up excluded). Results: a table on stdout, and JSON (+ PNG when
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -32,16 +37,31 @@ COLUMNS = [("tokens/s/GPU", "tokens_per_s_per_gpu", "{:,.0f}"), ("TFLOPs/GPU", "
 AVERAGED = ("tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "data_ms", "forward_backward_ms", "optimizer_ms")
 
 
-def run_variant(name: str, overrides: list[str], args, workdir: Path) -> dict:
-    out = workdir / name.replace(" ", "_")
+ENV_ASSIGNMENT = re.compile(r"[A-Z_][A-Z0-9_]*=")
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, str], list[str]]:
+    """'NAME=[ENV=value ...] FLAGS' -> (name, environment, train flags)."""
+    name, _, flags = spec.partition("=")
+    words = shlex.split(flags)
+    env = {}
+    while words and ENV_ASSIGNMENT.match(words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    return name.strip(), env, words
+
+
+def run_variant(name: str, env: dict[str, str], overrides: list[str], args, workdir: Path) -> dict:
+    out = workdir / re.sub(r"\W+", "_", name)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "-m", "fsdp_trainer.train",
            "--config", args.config, "--train.steps", str(args.steps), "--train.log_every", str(args.log_every),
            "--train.output_dir", str(out), "--checkpoint.interval", "0", "--checkpoint.resume", "none",
            "--checkpoint.no_save_final", "--metrics.no_tensorboard", *args.extra, *overrides]
-    print("$", shlex.join(cmd), flush=True)
-    proc = subprocess.run(cmd, text=True, capture_output=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    command = shlex.join([f"{k}={v}" for k, v in env.items()] + cmd)
+    print("$", command, flush=True)
+    proc = subprocess.run(cmd, text=True, capture_output=True, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})
     sys.stderr.write(proc.stderr[-3000:])
-    row = {"variant": name, "command": shlex.join(cmd), "returncode": proc.returncode}
+    row = {"variant": name, "command": command, "returncode": proc.returncode}
     metrics = out / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.is_file():
         row["error"] = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -80,15 +100,15 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=10, help="steps excluded from the averages")
     parser.add_argument("--variant", action="append", required=True, metavar="NAME=FLAGS",
-                        help="a name and the train flags that define it; repeat for each variant")
+                        help="a name and the train flags that define it, after any NAME=value environment "
+                        "settings for its run; repeat for each variant")
     parser.add_argument("--name", default="throughput", help="file name stem of the results")
     parser.add_argument("extra", nargs="*", help="flags added to every variant (after --)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.variant:
-            name, _, flags = spec.partition("=")
-            rows.append(run_variant(name.strip(), shlex.split(flags), args, Path(tmp)))
+            rows.append(run_variant(*parse_variant(spec), args, Path(tmp)))
             print_table(rows[-1:])
             # Rewritten after every variant: a sweep cut off by a time limit keeps what it measured.
             write_results(result_dir(args.nproc), args.name, rows, command=shlex.join([sys.executable, *sys.argv]),

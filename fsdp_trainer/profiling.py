@@ -40,8 +40,15 @@ def parse_steps(spec: str) -> tuple[int, int]:
     return first, last
 
 
+# Inductor's fused pointwise and reduction kernels, named after every op they absorbed: RoPE fused into the
+# attention's input and gradient casts reads "..._scaled_dot_product_cudnn_attention_..." but is elementwise work.
+FUSED_ELEMENTWISE = ("triton_poi_", "triton_red_", "triton_per_")
+
+
 def category(kernel_name: str) -> str:
     name = kernel_name.lower()
+    if name.startswith(FUSED_ELEMENTWISE):
+        return "other"
     return next((cat for cat, keys in CATEGORIES.items() if any(k in name for k in keys)), "other")
 
 

@@ -45,6 +45,8 @@ def test_kernel_categories_and_step_ranges():
     assert category("void cutlass::Kernel<cutlass_80_tensorop_bf16_s16816gemm>") == "matmul"
     assert category("cudnn_generated_fort_native_sdpa_sm90") == "attention"
     assert category("elementwise_kernel") == "other"
+    # from a compiled block: RoPE and casts fused around SDPA, named after it
+    assert category("triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy__unsafe_view_add_mul") == "other"
     assert parse_steps("3:5") == (3, 5)
     for bad in ("5:3", "x", "0:2"):
         with pytest.raises(ValueError, match="profile.steps"):

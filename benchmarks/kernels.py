@@ -1,0 +1,49 @@
+"""The heaviest GPU kernels of `--profile.steps` traces, side by side: which matmul, attention and other kernels a
+step runs, how often, and for how long. For telling two runs apart kernel by kernel (eager and compiled, or
+before and after a change), where the profile's breakdown only gives the totals per category.
+
+    python benchmarks/kernels.py EAGER_TRACE.json COMPILED_TRACE.json --steps 2 [--top 12]
+
+Per trace and category: the top kernels by total time, in ms per step, with calls per step and mean µs per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from fsdp_trainer.profiling import category
+
+
+def kernel_totals(trace: dict) -> dict[str, dict[str, list[float]]]:
+    """category -> kernel name -> the durations (µs) of its calls."""
+    totals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") == "X" and event.get("cat") == "kernel":
+            totals[category(event["name"])][event["name"]].append(event["dur"])
+    return totals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("traces", nargs="+", type=Path)
+    parser.add_argument("--steps", type=int, default=1, help="steps each trace holds (the results are per step)")
+    parser.add_argument("--top", type=int, default=10, help="kernels listed per category")
+    parser.add_argument("--width", type=int, default=110, help="characters of each kernel name shown")
+    args = parser.parse_args()
+    for path in args.traces:
+        totals = kernel_totals(json.loads(path.read_text()))
+        print(f"== {path}")
+        for cat, kernels in sorted(totals.items(), key=lambda kv: -sum(map(sum, kv[1].values()))):
+            per_step = sum(map(sum, kernels.values())) / 1e3 / args.steps
+            print(f"  {cat}: {per_step:.1f} ms per step, {len(kernels)} kernels")
+            ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:args.top]
+            for name, durations in ranked:
+                print(f"    {sum(durations) / 1e3 / args.steps:8.2f} ms {len(durations) / args.steps:7.1f} x "
+                      f"{sum(durations) / len(durations):8.1f} us  {name[:args.width]}")
+
+
+if __name__ == "__main__":
+    main()
