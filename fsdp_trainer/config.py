@@ -141,7 +141,7 @@ class ParallelConfig:
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory (CPUOffloadPolicy)."""
     compile: bool = False
-    """torch.compile each block (after activation checkpointing, before sharding). CUDA only."""
+    """torch.compile each block (after activation checkpointing, before sharding) and the loss. CUDA only."""
     defer_grad_sync: bool = False
     """With grad_accum_steps > 1, reduce-scatter gradients only after the last micro-batch: less communication,
     but every rank then holds unsharded gradients meanwhile."""
