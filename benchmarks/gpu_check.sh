@@ -8,7 +8,8 @@
 #   8b           Llama 3 8B at seq 8192, the speed targets' settings: eager/compiled per-op AC, compiled full AC,
 #                compiled no AC, compiled per-op AC micro-batch 2
 #   levers       8B, each speed lever beside its own baseline in one sweep: two-block prefetch (eager and compiled
-#                per-op AC), the chunked loss (compiled per-op AC and no AC), NCCL limited to 16 and 8 CTAs
+#                per-op AC), the chunked loss (compiled per-op AC and no AC), NCCL limited to 16 and 8 CTAs, the
+#                caching allocator without expandable segments (the launchers' default has them)
 #   profile      8B per-op AC, eager and compiled: the profiler's per-step breakdown (matmul, attention,
 #                communication and how much of it is exposed, optimizer, idle), and the heaviest kernels of both,
 #                in results/.../profile_llama3_8b.log
@@ -64,7 +65,8 @@ for PART in "$@"; do
         --variant "$(lever "$COMPILED_OP" "chunked loss" "--train.loss_chunk_tokens 2048")" \
         --variant "$COMPILED_NONE" --variant "$(lever "$COMPILED_NONE" "chunked loss" "--train.loss_chunk_tokens 2048")" \
         --variant "${COMPILED_OP%%=*} 16 NCCL CTAs=NCCL_MAX_CTAS=16 ${COMPILED_OP#*=}" \
-        --variant "${COMPILED_OP%%=*} 8 NCCL CTAs=NCCL_MAX_CTAS=8 ${COMPILED_OP#*=}" ;;
+        --variant "${COMPILED_OP%%=*} 8 NCCL CTAs=NCCL_MAX_CTAS=8 ${COMPILED_OP#*=}" \
+        --variant "${COMPILED_OP%%=*} no expandable segments=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False ${COMPILED_OP#*=}" ;;
     profile)  # where each step's GPU time goes, eager and compiled (the trace files stay on the machine)
       log="$(cd benchmarks && python3 -c "from results import result_dir; print(result_dir($NGPU))")/profile_llama3_8b.log"
       for compile in no_compile compile; do
