@@ -39,6 +39,7 @@ EAGER_OP="eager opAC=--ac.mode op --parallel.no_compile"
 COMPILED_OP="compiled opAC=--ac.mode op"
 COMPILED_NONE="compiled noAC=--ac.mode none"
 lever() { echo "${1%%=*} $2=${1#*=} $3"; }  # lever "NAME=FLAGS" "what" "--its.flag value": the variant plus one lever
+env_lever() { echo "${1%%=*} $2=$3 ${1#*=}"; }  # env_lever "NAME=FLAGS" "what" "VAR=value": the same, set in its environment
 for PART in "$@"; do
   echo "== $PART"
   case "$PART" in
@@ -64,9 +65,9 @@ for PART in "$@"; do
         --variant "$COMPILED_OP" --variant "$(lever "$COMPILED_OP" "prefetch 2" "--parallel.prefetch 2")" \
         --variant "$(lever "$COMPILED_OP" "chunked loss" "--train.loss_chunk_tokens 2048")" \
         --variant "$COMPILED_NONE" --variant "$(lever "$COMPILED_NONE" "chunked loss" "--train.loss_chunk_tokens 2048")" \
-        --variant "${COMPILED_OP%%=*} 16 NCCL CTAs=NCCL_MAX_CTAS=16 ${COMPILED_OP#*=}" \
-        --variant "${COMPILED_OP%%=*} 8 NCCL CTAs=NCCL_MAX_CTAS=8 ${COMPILED_OP#*=}" \
-        --variant "${COMPILED_OP%%=*} no expandable segments=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False ${COMPILED_OP#*=}" ;;
+        --variant "$(env_lever "$COMPILED_OP" "16 NCCL CTAs" "NCCL_MAX_CTAS=16")" \
+        --variant "$(env_lever "$COMPILED_OP" "8 NCCL CTAs" "NCCL_MAX_CTAS=8")" \
+        --variant "$(env_lever "$COMPILED_OP" "no expandable segments" "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")" ;;
     profile)  # where each step's GPU time goes, eager and compiled (the trace files stay on the machine)
       log="$(cd benchmarks && python3 -c "from results import result_dir; print(result_dir($NGPU))")/profile_llama3_8b.log"
       for compile in no_compile compile; do

@@ -77,3 +77,20 @@ def test_model_loss_matches_cross_entropy_of_its_logits(tie, chunk):
     torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-6)
     for (name, _), a, b in zip(model.named_parameters(), got, expected):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compiled_cross_entropy_matches_eager_in_value_and_gradient():
+    from fsdp_trainer.loss import compiled_cross_entropy, cross_entropy
+    g = torch.Generator().manual_seed(0)
+    source = (3 * torch.randn(2, 64, 500, generator=g)).to(torch.bfloat16)
+    labels = torch.randint(0, 500, (2, 64), generator=g)
+    results = []
+    for loss_of in (cross_entropy, compiled_cross_entropy):
+        logits = source.clone().requires_grad_()
+        loss = loss_of(logits, labels)
+        loss.backward()
+        results.append((loss.detach(), logits.grad))
+    (eager_loss, eager_grad), (loss, grad) = results
+    assert loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, eager_grad)
