@@ -7,9 +7,12 @@
 #   small        Llama 3.2 1B: throughput (eager/compiled, AC modes), FSDP vs DDP, weak scaling 1..NGPU
 #   8b           Llama 3 8B at seq 8192, the speed targets' settings: eager/compiled per-op AC, compiled full AC,
 #                compiled no AC, compiled per-op AC micro-batch 2
-#   levers       8B, each speed lever beside its own baseline in one sweep: two-block prefetch (eager and compiled
-#                per-op AC), the chunked loss (compiled per-op AC and no AC), NCCL limited to 16 and 8 CTAs, the
-#                caching allocator without expandable segments (the launchers' default has them)
+#   levers       8B, each open speed lever beside its own baseline in one sweep: Python's automatic garbage
+#                collection instead of train.gc_every (compiled per-op AC), no resharding after forward (compiled
+#                per-op, no and full AC), the caching allocator without expandable segments (the launchers' default
+#                has them). Levers measured before (prefetch, chunked loss, NCCL CTAs) are in the results' commands.
+#   autotune     8B compiled per-op AC: Inductor's GEMM autotuning, and its coordinate-descent tuning of the fused
+#                kernels, each beside the baseline (long compiles: a part of its own)
 #   profile      8B per-op AC, eager and compiled: the profiler's per-step breakdown (matmul, attention,
 #                communication and how much of it is exposed, optimizer, idle), and the heaviest kernels of both,
 #                in results/.../profile_llama3_8b.log
@@ -38,6 +41,7 @@ throughput() { python3 benchmarks/throughput.py --nproc "$NGPU" "$@"; }
 EAGER_OP="eager opAC=--ac.mode op --parallel.no_compile"
 COMPILED_OP="compiled opAC=--ac.mode op"
 COMPILED_NONE="compiled noAC=--ac.mode none"
+COMPILED_FULL="compiled fullAC=--ac.mode full"
 lever() { echo "${1%%=*} $2=${1#*=} $3"; }  # lever "NAME=FLAGS" "what" "--its.flag value": the variant plus one lever
 env_lever() { echo "${1%%=*} $2=$3 ${1#*=}"; }  # env_lever "NAME=FLAGS" "what" "VAR=value": the same, set in its environment
 for PART in "$@"; do
@@ -57,17 +61,20 @@ for PART in "$@"; do
       python3 benchmarks/scaling.py --config configs/llama3_1b.toml --gpus 1 2 4 8 --steps 25 ;;
     8b)
       throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b \
-        --variant "$EAGER_OP" --variant "$COMPILED_OP" --variant "compiled fullAC=--ac.mode full" \
+        --variant "$EAGER_OP" --variant "$COMPILED_OP" --variant "$COMPILED_FULL" \
         --variant "$COMPILED_NONE" --variant "compiled opAC mb2=--ac.mode op --train.micro_batch_size 2" ;;
     levers)
       throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b_levers \
-        --variant "$EAGER_OP" --variant "$(lever "$EAGER_OP" "prefetch 2" "--parallel.prefetch 2")" \
-        --variant "$COMPILED_OP" --variant "$(lever "$COMPILED_OP" "prefetch 2" "--parallel.prefetch 2")" \
-        --variant "$(lever "$COMPILED_OP" "chunked loss" "--train.loss_chunk_tokens 2048")" \
-        --variant "$COMPILED_NONE" --variant "$(lever "$COMPILED_NONE" "chunked loss" "--train.loss_chunk_tokens 2048")" \
-        --variant "$(env_lever "$COMPILED_OP" "16 NCCL CTAs" "NCCL_MAX_CTAS=16")" \
-        --variant "$(env_lever "$COMPILED_OP" "8 NCCL CTAs" "NCCL_MAX_CTAS=8")" \
-        --variant "$(env_lever "$COMPILED_OP" "no expandable segments" "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")" ;;
+        --variant "$COMPILED_OP" --variant "$(lever "$COMPILED_OP" "automatic gc" "--train.gc_every 0")" \
+        --variant "$(lever "$COMPILED_OP" "reshard never" "--parallel.reshard_after_forward never")" \
+        --variant "$(env_lever "$COMPILED_OP" "no expandable segments" "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")" \
+        --variant "$COMPILED_NONE" --variant "$(lever "$COMPILED_NONE" "reshard never" "--parallel.reshard_after_forward never")" \
+        --variant "$COMPILED_FULL" --variant "$(lever "$COMPILED_FULL" "reshard never" "--parallel.reshard_after_forward never")" ;;
+    autotune)
+      throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b_autotune \
+        --variant "$COMPILED_OP" \
+        --variant "$(env_lever "$COMPILED_OP" "GEMM autotuning" "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1")" \
+        --variant "$(env_lever "$COMPILED_OP" "coordinate descent" "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1")" ;;
     profile)  # where each step's GPU time goes, eager and compiled (the trace files stay on the machine)
       log="$(cd benchmarks && python3 -c "from results import result_dir; print(result_dir($NGPU))")/profile_llama3_8b.log"
       for compile in no_compile compile; do

@@ -98,6 +98,10 @@ class TrainConfig:
     step, naming it; skip: carry on, up to max_skipped_steps."""
     max_skipped_steps: int = 10
     """With on_nonfinite=skip: stop once more steps than this were skipped."""
+    gc_every: int = 50
+    """Run Python's garbage collector every N steps, at the same step on every rank, instead of whenever its
+    allocation counters say (0: automatic). An automatic collection stalls one rank at a random moment, and every
+    other rank waits for it at the next collective."""
 
 
 @dataclass
@@ -408,8 +412,9 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
         raise ConfigError(f"optim.lr={o.lr}, optim.min_lr={o.min_lr}: need 0 <= min_lr <= lr and lr > 0")
     if o.warmup_steps < 0 or o.grad_clip < 0:
         raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0")
-    if cfg.train.loss_chunk_tokens < 0:
-        raise ConfigError(f"train.loss_chunk_tokens={cfg.train.loss_chunk_tokens}: must be >= 0 (0 turns it off)")
+    for name in ("loss_chunk_tokens", "gc_every"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"train.{name}={getattr(t, name)}: must be >= 0 (0 turns it off)")
     if cfg.parallel.prefetch < 1:
         raise ConfigError(f"parallel.prefetch={cfg.parallel.prefetch}: must be at least 1 (FSDP2's own schedule)")
     if cfg.ac.every < 1:

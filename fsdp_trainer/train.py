@@ -14,6 +14,8 @@ Runbook:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import sys
@@ -157,7 +159,7 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     rows_file = start_rows_file(output_dir, progress.step) if info.is_main else None
     history, memory_compared = [], memory_plan is None
     try:
-        with ckpt.stop_signals():
+        with ckpt.stop_signals(), scheduled_gc(t.gc_every) as collect_garbage:
             while progress.step < t.steps:
                 profiler.before(progress.step + 1)
                 metrics.phases.begin_step()
@@ -166,6 +168,7 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
                 progress.advance(global_batch, t.seq_len)
                 profiler.after(progress.step)
                 watchdog.beat(progress.step)
+                collect_garbage(progress.step)
                 if progress.step % t.log_every == 0 or progress.step == t.steps:
                     extra = {"consumed_samples": progress.consumed_samples, "skipped_steps": guard.check()}
                     if not memory_compared and progress.step >= 2:  # the plan is of steps with AdamW state
@@ -191,6 +194,26 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
         metrics.close()
         stop_workers(batches)
     return {"step": progress.step, "history": history, "model": model, "optimizer": optimizer, "scaler": scaler}
+
+
+@contextlib.contextmanager
+def scheduled_gc(every: int):
+    """Python's garbage collector only at steps divisible by `every` (0 leaves it automatic). Yields the function
+    the loop calls after each step. Objects alive on entry (the model, the optimizer, the loader) are frozen out of
+    every collection, so each one only walks what the steps allocated since."""
+    if not every:
+        yield lambda step: None
+        return
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield lambda step: gc.collect() if step % every == 0 else None
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
 
 
 def planned_vs_measured(memory_plan: Plan, device: torch.device) -> dict:

@@ -207,3 +207,46 @@ def test_float16_with_loss_scaling_trains_under_fsdp(tmp_path):
     losses = [r["loss"] for r in result["history"]]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5
+
+
+def train_recording_collections(cfg):
+    """Worker: train, recording each garbage collection with the number of steps done before it started, and
+    whether automatic collection was on during each step."""
+    import gc
+    info = distributed.init()
+    steps_done, collections, automatic = [0], [], []
+    step = train.train_step
+
+    def counted_step(*args, **kwargs):
+        automatic.append(gc.isenabled())
+        result = step(*args, **kwargs)
+        steps_done[0] += 1
+        return result
+
+    def on_collection(phase, details):
+        if phase == "start":
+            collections.append((steps_done[0], details["generation"]))
+
+    train.train_step = counted_step
+    gc.callbacks.append(on_collection)
+    try:
+        train.run(cfg, info)
+    finally:
+        gc.callbacks.remove(on_collection)
+    return {"collections": collections, "automatic": automatic, "enabled_after": gc.isenabled()}
+
+
+def test_garbage_is_collected_only_at_the_scheduled_steps(tmp_path):
+    """With train.gc_every=3 the only collections between the first and the last step are full ones after steps
+    3 and 6; automatic collection is off during the steps and back on afterwards. Without it, the same steps
+    trigger automatic collections, which is what the schedule removes."""
+    def collections_during_steps(result, steps):
+        return [c for c in result["collections"] if 0 < c[0] < steps]
+
+    scheduled = run_ranks(train_recording_collections, 2,
+                          tiny_config(train={"output_dir": str(tmp_path / "a"), "steps": 7, "gc_every": 3}))[0]
+    assert collections_during_steps(scheduled, 7) == [(3, 2), (6, 2)]
+    assert not any(scheduled["automatic"]) and scheduled["enabled_after"]
+    automatic = run_ranks(train_recording_collections, 2,
+                          tiny_config(train={"output_dir": str(tmp_path / "b"), "steps": 7, "gc_every": 0}))[0]
+    assert all(automatic["automatic"]) and collections_during_steps(automatic, 7)
