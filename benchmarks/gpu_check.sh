@@ -11,6 +11,9 @@
 #                collection instead of train.gc_every (compiled per-op AC), no resharding after forward (compiled
 #                per-op, no and full AC), the caching allocator without expandable segments (the launchers' default
 #                has them). Levers measured before (prefetch, chunked loss, NCCL CTAs) are in the results' commands.
+#   keep         8B compiled: no AC within a 71 GiB allocator cap (the reference trainer's reserved peak), alone
+#                and keeping the last 8 or 16 blocks gathered (parallel.keep_gathered); per-op and full AC keeping
+#                all 32
 #   autotune     8B compiled per-op AC: Inductor's GEMM autotuning, and its coordinate-descent tuning of the fused
 #                kernels, each beside the baseline (long compiles: a part of its own)
 #   profile      8B per-op AC, eager and compiled: the profiler's per-step breakdown (matmul, attention,
@@ -70,6 +73,14 @@ for PART in "$@"; do
         --variant "$(env_lever "$COMPILED_OP" "no expandable segments" "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")" \
         --variant "$COMPILED_NONE" --variant "$(lever "$COMPILED_NONE" "reshard never" "--parallel.reshard_after_forward never")" \
         --variant "$COMPILED_FULL" --variant "$(lever "$COMPILED_FULL" "reshard never" "--parallel.reshard_after_forward never")" ;;
+    keep)
+      cap="--memory.limit_gib 71 --memory.ignore_plan"  # the plan counts the CUDA context against the cap too
+      throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b_keep \
+        --variant "$COMPILED_NONE" --variant "$(lever "$COMPILED_NONE" "71GiB" "$cap")" \
+        --variant "$(lever "$COMPILED_NONE" "71GiB keep 8" "$cap --parallel.keep_gathered 8")" \
+        --variant "$(lever "$COMPILED_NONE" "71GiB keep 16" "$cap --parallel.keep_gathered 16")" \
+        --variant "$(lever "$COMPILED_OP" "keep 32" "--parallel.keep_gathered 32")" \
+        --variant "$(lever "$COMPILED_FULL" "keep 32" "--parallel.keep_gathered 32")" ;;
     autotune)
       throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b_autotune \
         --variant "$COMPILED_OP" \

@@ -138,6 +138,12 @@ class ParallelConfig:
     reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free each block's gathered parameters after forward: default = every block but the last (whose backward
     starts at once), always, or never (faster, more memory)."""
+    keep_gathered: int = 0
+    """With reshard_after_forward=default, also keep the last N blocks' gathered parameters from forward through
+    their backward: per block, one all-gather and its copies fewer per step, for one block's parameters in
+    param_dtype more at the peak (Llama 3 8B: 0.41 GiB a block). On 4 H200s all 32 blocks (like
+    reshard_after_forward=never) ran 2.2% faster for 13.6 GiB more; `python -m fsdp_trainer.plan` gives the peak
+    for any N."""
     prefetch: int = 1
     """Blocks all-gathered ahead of the running one, in forward and backward. 1 is FSDP2's own schedule; 2 issues
     each all-gather a block earlier, which helps when the CPU cannot run far enough ahead of the GPU, for one more
@@ -415,6 +421,13 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
     for name in ("loss_chunk_tokens", "gc_every"):
         if getattr(t, name) < 0:
             raise ConfigError(f"train.{name}={getattr(t, name)}: must be >= 0 (0 turns it off)")
+    if not 0 <= cfg.parallel.keep_gathered <= args.n_layers:
+        raise ConfigError(f"parallel.keep_gathered={cfg.parallel.keep_gathered}: must be between 0 and the model's "
+                          f"{args.n_layers} blocks (reshard_after_forward=never keeps every group)")
+    if cfg.parallel.keep_gathered and cfg.parallel.reshard_after_forward != "default":
+        raise ConfigError(f"parallel.keep_gathered={cfg.parallel.keep_gathered} adds blocks to what "
+                          "reshard_after_forward=default keeps, but reshard_after_forward="
+                          f"{cfg.parallel.reshard_after_forward}; set one or the other")
     if cfg.parallel.prefetch < 1:
         raise ConfigError(f"parallel.prefetch={cfg.parallel.prefetch}: must be at least 1 (FSDP2's own schedule)")
     if cfg.ac.every < 1:

@@ -93,14 +93,15 @@ def apply_compile(model: nn.Module, block_types: Sequence[type]) -> None:
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type],
                groups: Iterable[Sequence[nn.Module]] = (),
                param_dtype: torch.dtype = torch.bfloat16, reduce_dtype: torch.dtype = torch.float32,
-               reshard_after_forward: ReshardPolicy = "default", prefetch: int = 1,
+               reshard_after_forward: ReshardPolicy = "default", keep_gathered: int = 0, prefetch: int = 1,
                cpu_offload: bool = False) -> None:
     """`fully_shard` each block, then each extra group of modules, then the root.
 
     `groups` are modules outside the blocks that deserve their own all-gather (for Llama: the embedding;
     the final norm with the output projection), listed in forward order. A 1-D mesh shards; a 2-D
     (replicate, shard) mesh gives HSDP. Sharded parameters stay float32 (the optimizer's master weights);
-    `param_dtype` is only the dtype they are gathered in. `prefetch` > 1 makes each block all-gather that many
+    `param_dtype` is only the dtype they are gathered in. `keep_gathered` blocks, counted back from the last, also
+    stay gathered after forward under the default policy. `prefetch` > 1 makes each block all-gather that many
     blocks ahead of itself, in forward and in backward (1 leaves FSDP2's schedule of one ahead)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
@@ -108,13 +109,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     blocks = blocks_of(model, block_types)
     groups = [list(group) for group in groups]
 
-    def reshard(is_last: bool) -> bool:
-        # The module that runs last in forward runs first in backward: freeing its parameters only to
-        # all-gather them again at once would cost a collective and save no memory at the peak.
-        return {"always": True, "never": False, "default": not is_last}[reshard_after_forward]
+    def reshard(keep: bool) -> bool:
+        return {"always": True, "never": False, "default": not keep}[reshard_after_forward]
 
     for index, block in enumerate(blocks):
-        shard(block, reshard_after_forward=reshard(index == len(blocks) - 1 and not groups))
+        # The module that runs last in forward runs first in backward: freeing its parameters only to
+        # all-gather them again at once would cost a collective and save no memory at the peak.
+        is_last = index == len(blocks) - 1 and not groups
+        shard(block, reshard_after_forward=reshard(is_last or index >= len(blocks) - keep_gathered))
     for index, group in enumerate(groups):
         shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard(index == len(groups) - 1))
     shard(model)

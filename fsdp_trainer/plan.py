@@ -131,12 +131,16 @@ def _groups(fields: tuple) -> tuple[Group, ...]:
     return tuple(Group(key, role.get(key, "block"), tuple(shapes)) for key, shapes in by_group.items())
 
 
-def kept_after_forward(groups: Sequence[Group], policy: str) -> list[Group]:
+def kept_after_forward(groups: Sequence[Group], policy: str, keep_blocks: int = 0) -> list[Group]:
     """Groups whose gathered parameters stay from forward through their backward. Mirrors
     `parallelize.apply_fsdp`: default keeps the non-root group that runs last in forward (its backward comes
-    first), never keeps all, always none; FSDP2 itself never reshards the root after forward."""
+    first) and the last `keep_blocks` blocks, never keeps all, always none; FSDP2 itself never reshards the root
+    after forward."""
     last = [g for g in groups if g.role != "root"][-1]
-    return [g for g in groups if g.role == "root" or policy == "never" or (policy == "default" and g is last)]
+    blocks = [g for g in groups if g.role == "block"]
+    kept_blocks = blocks[len(blocks) - keep_blocks:] if keep_blocks else []
+    return [g for g in groups if g.role == "root" or policy == "never"
+            or (policy == "default" and (g is last or g in kept_blocks))]
 
 
 # -- activations -----------------------------------------------------------------------------------------------------
@@ -253,6 +257,7 @@ class _Setup:
     ac_mode: str
     ac_every: int
     reshard: str
+    keep_gathered: int
     offload: bool
     defer: bool
     loss_chunk: int
@@ -278,7 +283,8 @@ def _setup(cfg: Config, gpus: int, gpus_per_node: int) -> _Setup:
     pbytes = 2 if p.param_dtype == "auto" else DTYPE_BYTES[p.param_dtype]
     return _Setup(args, fsdp_groups(args), gpus, gpus_per_node, replicate, shard, pbytes,
                   DTYPE_BYTES[p.reduce_dtype], cfg.train.seq_len, cfg.train.micro_batch_size,
-                  cfg.train.grad_accum_steps, cfg.ac.mode, cfg.ac.every, p.reshard_after_forward, p.cpu_offload,
+                  cfg.train.grad_accum_steps, cfg.ac.mode, cfg.ac.every, p.reshard_after_forward, p.keep_gathered,
+                  p.cpu_offload,
                   p.defer_grad_sync and cfg.train.grad_accum_steps > 1, cfg.train.loss_chunk_tokens,
                   p.prefetch, p.compile)
 
@@ -286,7 +292,7 @@ def _setup(cfg: Config, gpus: int, gpus_per_node: int) -> _Setup:
 def _moments(s: _Setup) -> dict[str, dict[str, int]]:
     """Allocator bytes alive at the four moments a step can peak at, by row (keys of ROW_LABELS)."""
     blocks = [g for g in s.groups if g.role == "block"]
-    kept = kept_after_forward(s.groups, s.reshard)
+    kept = kept_after_forward(s.groups, s.reshard, s.keep_gathered)
     first_back = next(g for g in reversed(s.groups) if g.role in ("output", "root"))  # holds the output projection
     last_back = s.groups[0]  # holds the embedding: untied its own group, tied the root
     tokens, vocab = s.tokens, s.args.vocab_size
@@ -412,7 +418,7 @@ def _step_seconds(s: _Setup) -> float:
     CPU offload's copies and host AdamW are added in full."""
     compute = s.accum * s.tokens * s.args.flops_per_token(s.seq) * (1 + _recompute_fraction(s)) / ACHIEVED_FLOPS
     numel = s.gathered_numel()
-    resharded = numel - s.gathered_numel(kept_after_forward(s.groups, s.reshard))
+    resharded = numel - s.gathered_numel(kept_after_forward(s.groups, s.reshard, s.keep_gathered))
     reduces = 1 if s.defer else s.accum
     # Each micro-batch gathers every group for forward and the resharded ones again for backward.
     shard_bytes = s.accum * s.pbytes * (numel + resharded) + reduces * s.rbytes * numel
@@ -579,7 +585,8 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
              f"{gpus} GPUs, {mesh} | seq {s.seq} x micro-batch {s.micro_batch}, grad accum {s.accum} | "
              f"ac {s.ac_mode}{f' every {s.ac_every}' if s.ac_mode == 'selective' else ''} | "
              f"{'bfloat16' if s.pbytes == 2 else 'float32'} params, {cfg.parallel.reduce_dtype} reduce | "
-             f"reshard {s.reshard}{' | cpu offload' if s.offload else ''}"
+             f"reshard {s.reshard}{f' + last {s.keep_gathered} blocks kept' if s.keep_gathered else ''}"
+             f"{' | cpu offload' if s.offload else ''}"
              f"{' | deferred grad sync' if s.defer else ''}")
     notes = (["torch.compile: blocks keep only what their backward reads (no SiLU output without AC, no w2 "
               "output with per-op AC); the compiled loss makes no float32 copy of the logits"]
@@ -593,7 +600,7 @@ def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:
     """Each row's note: its full size where that differs from the peak, and what it is made of."""
     shards = 4 * s.shard_numel()
     where = "in host memory (cpu offload)" if s.offload else ""
-    kept = kept_after_forward(s.groups, s.reshard)
+    kept = kept_after_forward(s.groups, s.reshard, s.keep_gathered)
     modes = block_modes(s.args.n_layers, s.ac_mode, s.ac_every)
     per_block = block_bytes_by_mode(s.args, s.tokens, s.pbytes, compiled=s.compiled)
     block_note = ", ".join(f"{modes.count(m)} x {per_block[m] / GiB:.3f} GiB ({m})"
@@ -649,7 +656,10 @@ def _knobs(cfg: Config) -> list[list[dict[str, Any]]]:
     knobs = [
         [c for c in ac if c["ac.mode"] != cfg.ac.mode or c.get("ac.every", cfg.ac.every) != cfg.ac.every],
         micro,
-        [{"parallel.reshard_after_forward": "always"}] if p.reshard_after_forward != "always" else [],
+        [{"parallel.keep_gathered": 0}] if p.keep_gathered else [],
+        # keep_gathered only adds to the default policy
+        [{"parallel.reshard_after_forward": "always", **({"parallel.keep_gathered": 0} if p.keep_gathered else {})}]
+        if p.reshard_after_forward != "always" else [],
         [{"parallel.defer_grad_sync": False}] if p.defer_grad_sync else [],
         [{"train.loss_chunk_tokens": LOSS_CHUNK}] if not t.loss_chunk_tokens else [],
         [{"parallel.cpu_offload": True}] if not p.cpu_offload else [],
@@ -685,6 +695,7 @@ LOSS_CHUNK = 2048
 _WHY = {"ac.mode": "recomputes activations in backward",
         "train.loss_chunk_tokens": "the loss in chunks of tokens: no full-sequence logits",
         "train.micro_batch_size": "same global batch in more, smaller micro-batches",
+        "parallel.keep_gathered": "re-gathers the last blocks in backward",
         "parallel.reshard_after_forward": "re-gathers the output layer in backward",
         "parallel.defer_grad_sync": "reduce-scatters every micro-batch instead of holding unsharded grads",
         "parallel.cpu_offload": "params, grads and AdamW state in host RAM: much slower",

@@ -93,6 +93,8 @@ def test_impossible_mesh_is_rejected(replicate, shard, world, message):
     ("memory", "limit_gib", 40.0, "memory.limit_gib needs a CUDA GPU"),
     ("parallel", "prefetch", 0, "parallel.prefetch=0: must be at least 1"),
     ("train", "loss_chunk_tokens", -1, "train.loss_chunk_tokens=-1: must be >= 0"),
+    ("train", "gc_every", -1, "train.gc_every=-1: must be >= 0"),
+    ("parallel", "keep_gathered", 5, "parallel.keep_gathered=5: must be between 0 and the model's 4 blocks"),
     ("checkpoint", "write_threads", 0, "checkpoint.write_threads=0: both must be >= 1"),
 ])
 def test_invalid_settings_name_field_value_and_fix(section, key, value, message):
@@ -100,6 +102,13 @@ def test_invalid_settings_name_field_value_and_fix(section, key, value, message)
     setattr(getattr(cfg, section), key, value)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         validate(cfg, 1, "cpu")
+
+
+def test_keep_gathered_only_adds_to_the_default_reshard_policy():
+    cfg = parse_args(["--parallel.keep_gathered", "2", "--parallel.reshard_after_forward", "never"])
+    with pytest.raises(ConfigError, match="but reshard_after_forward=never; set one or the other"):
+        validate(cfg, 1, "cpu")
+    validate(parse_args(["--parallel.keep_gathered", "4"]), 1, "cpu")
 
 
 def test_every_shipped_config_loads_and_validates_for_gpus():

@@ -155,6 +155,32 @@ def record_prefetch(prefetch):
     return {kind: {index[k]: [index[m] for m in v] for k, v in by_block.items()} for kind, by_block in calls.items()}
 
 
+def gathered_after_forward(reshard, keep_gathered):
+    """Which blocks still hold gathered (plain tensor) parameters between forward and backward."""
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_trainer import distributed
+    from fsdp_trainer.parallelize import init_weights
+    distributed.init()
+    model = build(ARGS, device="meta")
+    apply_fsdp(model, distributed.build_mesh("cpu", 1, 2), block_types=(TransformerBlock,),
+               param_dtype=torch.float32, reshard_after_forward=reshard, keep_gathered=keep_gathered)
+    init_weights(model, torch.device("cpu"))
+    model(torch.zeros(1, 8, dtype=torch.long)).sum()
+    return [i for i, block in enumerate(model.layers) if not isinstance(block.attention.wq.weight, DTensor)]
+
+
+@pytest.mark.parametrize("reshard,keep,gathered", [
+    ("default", 0, [3]),  # no other groups: the last block runs last in forward and first in backward
+    ("default", 2, [2, 3]),
+    ("default", 3, [1, 2, 3]),
+    ("never", 0, [0, 1, 2, 3]),
+    ("always", 0, []),
+])
+def test_blocks_kept_gathered_after_forward(reshard, keep, gathered):
+    assert run_ranks(gathered_after_forward, 2, reshard, keep) == [gathered, gathered]
+
+
 def test_prefetch_two_asks_each_block_for_the_next_two_in_both_directions():
     assert run_ranks(record_prefetch, 1, 1) == [{}]  # FSDP2's own schedule
     assert run_ranks(record_prefetch, 1, 2) == [{

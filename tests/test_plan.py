@@ -94,6 +94,21 @@ def test_prefetching_two_blocks_holds_one_more_gathered_block_in_backward():
     assert two.moments["loss backward"] == one.moments["loss backward"]
 
 
+def test_keep_gathered_keeps_the_last_blocks_gathered_on_top_of_the_default():
+    dim, hidden, kv = 4096, 14336, 1024
+    block = 2 * dim * dim + 2 * dim * kv + 3 * dim * hidden + 2 * dim
+    default = plan(cfg_for("--ac.mode", "none"), 8, BIG)
+    kept = plan(cfg_for("--ac.mode", "none", "--parallel.keep_gathered", "8"), 8, BIG)
+    assert row(kept, "gathered params kept") - row(default, "gathered params kept") == 8 * 2 * block
+    assert kept.predicted_peak_bytes - default.predicted_peak_bytes == 8 * 2 * block
+    # Not fitting, the planner offers to re-gather them, and never pairs reshard always with keep_gathered.
+    tight = plan(cfg_for("--ac.mode", "none", "--parallel.keep_gathered", "32"), 8,
+                 default.total_bytes + GiB)
+    assert not tight.fits and {"parallel.keep_gathered": 0} in [s.change for s in tight.suggestions]
+    assert all(s.change.get("parallel.keep_gathered") == 0 for s in tight.suggestions
+               if s.change.get("parallel.reshard_after_forward") == "always")
+
+
 def test_reshard_policies_order_kept_parameters():
     kept = {policy: row(plan(cfg_for("--parallel.reshard_after_forward", policy), 8, BIG), "gathered params kept")
             for policy in ("always", "default", "never")}

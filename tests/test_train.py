@@ -78,6 +78,7 @@ def assert_matches_reference(results, reference, *, loss_tol, param_tol):
     (4, {"dp_replicate": 2}),                             # HSDP 2 x 2
     (2, {"reshard_after_forward": "never"}),
     (2, {"prefetch": 2}),
+    (2, {"keep_gathered": 1}),
 ])
 def test_sharded_matches_single_process_reference(tmp_path, world_size, parallel):
     cfg = tiny_config(parallel=parallel, train={"output_dir": str(tmp_path)})
