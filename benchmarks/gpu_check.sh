@@ -14,8 +14,6 @@
 #   keep         8B compiled: no AC within a 71 GiB allocator cap (the reference trainer's reserved peak), alone
 #                and keeping the last 8 or 16 blocks gathered (parallel.keep_gathered); per-op and full AC keeping
 #                all 32
-#   pool         8B compiled, no/per-op/full AC, with the sharded gradients in the compute stream's memory pool
-#                (parallel.grads_in_compute_pool), and no AC so keeping the last 8 blocks gathered: compare with 8b
 #   autotune     8B compiled per-op AC: Inductor's GEMM autotuning, and its coordinate-descent tuning of the fused
 #                kernels, each beside the baseline (long compiles: a part of its own)
 #   profile      8B per-op AC, eager and compiled: the profiler's per-step breakdown (matmul, attention,
@@ -83,12 +81,6 @@ for PART in "$@"; do
         --variant "$(lever "$COMPILED_NONE" "71GiB keep 16" "$cap --parallel.keep_gathered 16")" \
         --variant "$(lever "$COMPILED_OP" "keep 32" "--parallel.keep_gathered 32")" \
         --variant "$(lever "$COMPILED_FULL" "keep 32" "--parallel.keep_gathered 32")" ;;
-    pool)
-      pool="--parallel.grads_in_compute_pool"
-      throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b_pool \
-        --variant "$(lever "$COMPILED_NONE" "grads pool" "$pool")" --variant "$(lever "$COMPILED_OP" "grads pool" "$pool")" \
-        --variant "$(lever "$COMPILED_FULL" "grads pool" "$pool")" \
-        --variant "$(lever "$COMPILED_NONE" "grads pool keep 8" "$pool --parallel.keep_gathered 8")" ;;
     autotune)
       throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b_autotune \
         --variant "$COMPILED_OP" \

@@ -148,10 +148,6 @@ class ParallelConfig:
     """Blocks all-gathered ahead of the running one, in forward and backward. 1 is FSDP2's own schedule; 2 issues
     each all-gather a block earlier, which helps when the CPU cannot run far enough ahead of the GPU, for one more
     gathered block in memory."""
-    grads_in_compute_pool: bool = False
-    """Allocate the sharded gradients from the compute stream's memory pool, so that what zero_grad frees serves
-    the next forward's activations. FSDP2 allocates them on its reduce-scatter stream, whose cached memory nothing
-    else may use: 4 bytes per local parameter reserved beyond the peak. CUDA, without HSDP."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory (CPUOffloadPolicy)."""
     compile: bool = False

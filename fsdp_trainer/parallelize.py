@@ -22,10 +22,7 @@ from typing import Iterable, Literal, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-import torch.distributed as dist
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-# The interface FSDPModule.set_custom_reduce_scatter takes; torch.distributed.fsdp does not re-export it.
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -93,35 +90,11 @@ def apply_compile(model: nn.Module, block_types: Sequence[type]) -> None:
         block.forward = torch.compile(block.forward, fullgraph=True)
 
 
-class ComputePoolReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter, its buffers taken from the compute stream's memory pool.
-
-    FSDP2 allocates each reduce-scatter output, which becomes the sharded gradients, on its reduce-scatter stream,
-    and the caching allocator lends a stream's freed memory to that stream only. Gradients freed by zero_grad
-    therefore stay reserved for the next step's gradients, and the activations of the next forward, which peak
-    while no gradient exists, cannot use them: 4 bytes per local parameter of reserved memory on top of the peak.
-    Taken from the compute stream's pool, the memory serves both.
-
-    Safe because FSDP2 makes the reduce-scatter stream wait for the compute stream before it writes the buffer,
-    and `record_stream` keeps the allocator from lending the buffer out again before the reduce-scatter stream's
-    work on it, enqueued by the time it is freed, has run. One-dimensional meshes only: under HSDP an all-reduce
-    stream also uses the buffer."""
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        with torch.cuda.stream(torch.cuda.default_stream(device)):
-            buffer = torch.empty(*size, dtype=dtype, device=device)
-        buffer.record_stream(torch.cuda.current_stream(device))  # a no-op when called on the compute stream
-        return buffer
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
-
-
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type],
                groups: Iterable[Sequence[nn.Module]] = (),
                param_dtype: torch.dtype = torch.bfloat16, reduce_dtype: torch.dtype = torch.float32,
                reshard_after_forward: ReshardPolicy = "default", keep_gathered: int = 0, prefetch: int = 1,
-               cpu_offload: bool = False, grads_in_compute_pool: bool = False) -> None:
+               cpu_offload: bool = False) -> None:
     """`fully_shard` each block, then each extra group of modules, then the root.
 
     `groups` are modules outside the blocks that deserve their own all-gather (for Llama: the embedding;
@@ -129,9 +102,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     (replicate, shard) mesh gives HSDP. Sharded parameters stay float32 (the optimizer's master weights);
     `param_dtype` is only the dtype they are gathered in. `keep_gathered` blocks, counted back from the last, also
     stay gathered after forward under the default policy. `prefetch` > 1 makes each block all-gather that many
-    blocks ahead of itself, in forward and in backward (1 leaves FSDP2's schedule of one ahead).
-    `grads_in_compute_pool` makes the sharded gradients share memory with activations (CUDA, one-dimensional
-    meshes; see `ComputePoolReduceScatter`)."""
+    blocks ahead of itself, in forward and in backward (1 leaves FSDP2's schedule of one ahead)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp, offload_policy=offload)
@@ -149,11 +120,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     for index, group in enumerate(groups):
         shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard(index == len(groups) - 1))
     shard(model)
-    if grads_in_compute_pool and mesh.device_type == "cuda" and mesh.ndim == 1:
-        comm = ComputePoolReduceScatter()
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(comm)
     if prefetch > 1:
         for index, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[index + 1:index + 1 + prefetch])

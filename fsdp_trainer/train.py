@@ -56,8 +56,7 @@ def build_model(cfg: Config, mesh, device: torch.device):
     apply_fsdp(model, mesh, block_types=blocks, groups=groups,
                param_dtype=DTYPES[resolve_param_dtype(p.param_dtype, device.type)],
                reduce_dtype=DTYPES[p.reduce_dtype], reshard_after_forward=p.reshard_after_forward,
-               keep_gathered=p.keep_gathered, prefetch=p.prefetch, cpu_offload=p.cpu_offload,
-               grads_in_compute_pool=p.grads_in_compute_pool)
+               keep_gathered=p.keep_gathered, prefetch=p.prefetch, cpu_offload=p.cpu_offload)
     init_weights(model, device, seed=cfg.train.seed, offload=p.cpu_offload)
     return model, args
 

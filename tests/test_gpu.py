@@ -133,25 +133,3 @@ def test_cuda_oom_names_rank_phase_and_plan(tmp_path):
     assert proc.returncode != 0
     assert "rank 0: CUDA out of memory during" in proc.stderr
     assert "the memory plan predicted" in proc.stderr and "memory snapshot" in proc.stderr
-
-
-def test_gradients_in_the_compute_pool_train_identically_and_live_on_the_compute_stream(info, tmp_path):
-    """parallel.grads_in_compute_pool: the same losses, bit for bit, with the sharded gradients in memory the
-    allocator lends to the compute (default) stream instead of FSDP2's reduce-scatter stream."""
-    def grad_streams_and_losses(pool: bool):
-        result = _run(info, tmp_path / str(pool), train={"steps": 6, "deterministic": True},
-                      parallel={"grads_in_compute_pool": pool})
-        model = result["model"]  # the run ended with zero_grad: one more backward makes gradients to look at
-        batch = torch.randint(0, 320, (2, 32), device="cuda")
-        model(batch).float().logsumexp(-1).mean().backward()
-        torch.cuda.synchronize()
-        addresses = {p.grad.to_local().data_ptr() for p in model.parameters()}
-        streams = {s["stream"] for s in torch.cuda.memory_snapshot() for a in addresses
-                   if s["address"] <= a < s["address"] + s["total_size"]}
-        return streams, [r["loss"] for r in result["history"]]
-
-    default_stream = torch.cuda.default_stream().cuda_stream
-    pooled_streams, pooled = grad_streams_and_losses(True)
-    side_streams, reference = grad_streams_and_losses(False)
-    assert pooled == reference
-    assert pooled_streams == {default_stream} and default_stream not in side_streams
