@@ -1,4 +1,5 @@
-"""The memory planner against measured peaks: predicted vs torch.cuda.max_memory_allocated() per run.
+"""The memory planner against measured peaks: predicted vs torch.cuda.max_memory_allocated() per run, and the
+predicted reserved memory vs torch.cuda.max_memory_reserved().
 
     python benchmarks/plan_accuracy.py                     # the default matrix, rows up to the GPUs present
     python benchmarks/plan_accuracy.py --row "2 1b op mb4=configs/llama3_1b.toml --ac.mode op ..."
@@ -69,12 +70,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for gpus, name, config, flags in rows:
             args.nproc, args.config = gpus, config
-            row = {"gpus": gpus, **run_variant(name, flags, args, Path(tmp))}
-            if "planned_peak_gib" in row and "measured_peak_gib" in row:
-                row["error_pct"] = 100 * (row["planned_peak_gib"] / row["measured_peak_gib"] - 1)
+            row = {"gpus": gpus, **run_variant(name, {}, flags, args, Path(tmp))}
+            for planned, measured, error in (("planned_peak_gib", "measured_peak_gib", "error_pct"),
+                                             ("planned_reserved_gib", "mem_reserved_gib", "reserved_error_pct")):
+                if planned in row and measured in row:
+                    row[error] = 100 * (row[planned] / row[measured] - 1)
             results.append(row)
-            print(f"{gpus} x {name:>26}  planned {row.get('planned_peak_gib', float('nan')):6.2f} GiB  measured "
-                  f"{row.get('measured_peak_gib', float('nan')):6.2f} GiB  error {row.get('error_pct', float('nan')):+.1f}%"
+            nan = float("nan")
+            print(f"{gpus} x {name:>26}  peak: planned {row.get('planned_peak_gib', nan):6.2f} GiB, measured "
+                  f"{row.get('measured_peak_gib', nan):6.2f} GiB, {row.get('error_pct', nan):+.1f}% | reserved: "
+                  f"planned {row.get('planned_reserved_gib', nan):6.2f} GiB, measured "
+                  f"{row.get('mem_reserved_gib', nan):6.2f} GiB, {row.get('reserved_error_pct', nan):+.1f}%"
                   + (f"  FAILED: {row['error']}" if "error" in row else ""), flush=True)
             # Rewritten after every row: a matrix cut off by a time limit keeps what it measured.
             write_results(folder, "plan_accuracy", results, command=shlex.join([sys.executable, *sys.argv]),

@@ -30,7 +30,8 @@ from results import result_dir, write_results
 
 COLUMNS = [("tokens/s/GPU", "tokens_per_s_per_gpu", "{:,.0f}"), ("TFLOPs/GPU", "tflops_per_gpu", "{:.1f}"),
            ("MFU %", "mfu", "{:.1%}"), ("active GiB", "mem_active_gib", "{:.1f}"),
-           ("reserved GiB", "mem_reserved_gib", "{:.1f}"), ("planned peak GiB", "planned_peak_gib", "{:.1f}"),
+           ("reserved GiB", "mem_reserved_gib", "{:.1f}"), ("planned reserved GiB", "planned_reserved_gib", "{:.1f}"),
+           ("planned peak GiB", "planned_peak_gib", "{:.1f}"),
            ("measured peak GiB", "measured_peak_gib", "{:.1f}"), ("data ms", "data_ms", "{:.1f}"),
            ("fwd+bwd ms", "forward_backward_ms", "{:.0f}"), ("optim ms", "optimizer_ms", "{:.1f}"),
            ("loss", "loss", "{:.3f}")]

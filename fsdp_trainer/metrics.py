@@ -45,12 +45,14 @@ def environment(device: torch.device, world_size: int, mesh_shape: tuple[int, ..
 
 
 def memory_gib(device: torch.device) -> dict[str, float]:
-    """Peak active and reserved GPU memory since the last reset (empty on CPU)."""
+    """Peak active and reserved GPU memory since the last reset, and how often the allocator has emptied its cache
+    to retry an allocation (empty on CPU)."""
     if device.type != "cuda":
         return {}
     stats = torch.cuda.memory_stats(device)
     return {"mem_active_gib": stats.get("active_bytes.all.peak", 0) / GiB,
-            "mem_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / GiB}
+            "mem_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / GiB,
+            "alloc_retries": stats.get("num_alloc_retries", 0)}
 
 
 def _duration(seconds: float) -> str:
@@ -114,6 +116,7 @@ class Metrics:
         self.start_time = self.window_time = time.perf_counter()
         self.window_step = 0
         self.phases = PhaseTimer(device)
+        self.warned_retries = False
 
     def start(self, step: int) -> None:
         """Begin timing at `step` (after resume, or after a warm-up the rates should not include)."""
@@ -130,6 +133,12 @@ class Metrics:
         if self.peak:
             row["mfu"] = tokens_per_s_gpu * self.flops_per_token / self.peak
         row.update(memory_gib(self.device))
+        if row.get("alloc_retries") and not self.warned_retries:  # every rank: it names the ones at their limit
+            self.warned_retries = True
+            logger.warning(f"by step {step} the CUDA caching allocator has run out {row['alloc_retries']} times, "
+                           f"emptied its cache and retried (reserved {row['mem_reserved_gib']:.1f} GiB). Each retry "
+                           "stalls the GPU: this run is at its memory limit. `python -m fsdp_trainer.plan` with the "
+                           "same flags shows what it needs and what to change")
         row.update(self.phases.read())
         row.update(extra or {})
         if self.is_main:

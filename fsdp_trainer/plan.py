@@ -25,12 +25,19 @@ The model of memory, per GPU, in the steady state (step 2 on, once AdamW's state
   - The peak is the largest of four moments of a step, each summed from what is alive then (`_moments`):
     loss backward (or the chunked loss), output-projection backward, last block's backward, end of backward.
     The fused AdamW step updates in place and stays below "end of backward".
-  - Then margins the allocator does not see or cannot avoid: fragmentation, NCCL/cuBLAS workspaces and the CUDA
-    context. Every constant below is an assumption, stated where it is defined.
+  - Then what the caching allocator reserves beyond that peak (`_reserved`). It lends a stream's freed memory to
+    that stream only, and FSDP2 allocates the sharded gradients on its reduce-scatter stream and the all-gather
+    outputs on its all-gather stream: what zero_grad frees stays reserved for the next gradients, out of the
+    activations' reach. Reserved = the compute stream's largest moment (gradients excluded) plus fragmentation,
+    plus every sharded gradient, plus the all-gather stream's buffers. Below that, a capped allocator runs but
+    empties its cache and retries, stalling the GPU, each step (8B, no AC, 4 H200s: 74.1 GiB reserved uncapped;
+    capped at 71 GiB, 45% slower). Last, NCCL/cuBLAS workspaces and the CUDA context, outside the allocator.
+    Every constant below is an assumption, stated where it is defined.
 The allocator peak was checked against torch.cuda.max_memory_allocated() on one and two H200s (torch 2.11, cuDNN
 attention, fused RMSNorm) for AC none/op/selective/full, grad accumulation, deferred sync and reshard never, tied and
 untied: within 0.4% each, and on four H200s for the full 8B and 8.5B models with AC op and full (tests/test_plan.py
-keeps those numbers). Compiled blocks without AC keep no SiLU output, as Inductor recomputes it, and compiled per-op
+keeps those numbers). The reserved estimate was checked against torch.cuda.max_memory_reserved() of the full 8B on
+four H200s, compiled and eager, AC none/op/full, micro-batch 1 and 2, reshard never and keep_gathered: -1% to +4%. Compiled blocks without AC keep no SiLU output, as Inductor recomputes it, and compiled per-op
 AC blocks keep no w2 output, which no backward reads (each within 0.2% of the 8B peaks on two and four H200s); the
 compiled loss holds the logits and their param_dtype gradient, no float32 buffers (`fsdp_trainer.loss`). The
 chunked loss and two-block prefetch were checked on two H200s (within 2%). Not checked on GPUs: CPU offload, HSDP,
@@ -68,10 +75,7 @@ WORKSPACE_BYTES = 3 * GiB // 4
 """NCCL communicator buffers (outside the allocator; they grow with peers) and cuBLAS workspaces. On H200s with torch
 2.11, 1.29 GiB was used outside the allocator with one rank and 1.57 GiB with two, context included."""
 FRAGMENTATION = 0.05
-"""What the caching allocator needs beyond its allocated peak when memory is tight (it frees cached blocks and
-retries before failing). Seen on an H200: a 41.5 GiB allocated peak ran under a 43 GiB cap and failed under 42;
-57.7 ran under 58.5; with expandable_segments 41.5 ran under 42. Without pressure it reserves 15-30% more,
-harmlessly."""
+"""Fragmentation of the compute stream's memory: reserved beyond what it has allocated at its peak."""
 
 # The throughput model only ranks suggestions by their rough cost; these set the compute/communication balance.
 ACHIEVED_FLOPS = 400e12
@@ -508,8 +512,10 @@ class Plan:
     """Allocator bytes at each modeled moment."""
     predicted_peak_bytes: int
     """What torch.cuda.max_memory_allocated() should read after the first steps (no margins)."""
+    predicted_reserved_bytes: int
+    """What torch.cuda.max_memory_reserved() should read when nothing caps the allocator (`_reserved`)."""
     total_bytes: int
-    """predicted_peak_bytes plus fragmentation, workspaces and CUDA context: compared with capacity_bytes."""
+    """predicted_reserved_bytes plus workspaces and CUDA context: compared with capacity_bytes."""
     host_bytes_per_node: int
     """Host RAM per node for CPU offload."""
     staging_bytes_per_node: int
@@ -547,7 +553,8 @@ class Plan:
                      f"({self.capacity_source})")
         others = ", ".join(f"{name} {size / GiB:.1f}" for name, size in self.moments.items()
                            if name != self.peak_moment)
-        lines.append(f"  allocator peak {self.predicted_peak_bytes / GiB:.2f} GiB; other moments: {others} GiB")
+        lines.append(f"  allocator peak {self.predicted_peak_bytes / GiB:.2f} GiB, reserved "
+                     f"{self.predicted_reserved_bytes / GiB:.2f} GiB; other moments: {others} GiB")
         host = [f"CPU offload {self.host_bytes_per_node / GiB:.1f} GiB"] if self.host_bytes_per_node else []
         if self.staging_bytes_per_node:
             host.append(f"async checkpoint staging {self.staging_bytes_per_node / GiB:.1f} GiB")
@@ -576,10 +583,10 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
     rows = [Row(ROW_LABELS[key], parts.get(key, 0), note) for key, note in _row_notes(s, cfg).items()
             if parts.get(key, 0) or note]
     allocated = moments[peak_moment]
-    margins = [Row(f"allocator fragmentation ({FRAGMENTATION:.0%})", int(FRAGMENTATION * allocated),
-                   "reserved beyond allocated by the caching allocator"),
-               Row("NCCL + cuBLAS workspaces", WORKSPACE_BYTES, "estimate"),
-               Row("CUDA context", CUDA_CONTEXT_BYTES, "estimate, outside PyTorch's allocator")]
+    cached = _reserved(s, by_moment, peak_moment)
+    reserved = allocated + sum(r.bytes for r in cached)
+    margins = cached + [Row("NCCL + cuBLAS workspaces", WORKSPACE_BYTES, "estimate"),
+                        Row("CUDA context", CUDA_CONTEXT_BYTES, "estimate, outside PyTorch's allocator")]
     mesh = f"FSDP over {s.shard}" if s.replicate == 1 else f"HSDP {s.replicate} x {s.shard}"
     setup = (f"model {cfg.model.name}: {s.args.num_params() / 1e9:.2f}B params ({s.args.num_params():,}) | "
              f"{gpus} GPUs, {mesh} | seq {s.seq} x micro-batch {s.micro_batch}, grad accum {s.accum} | "
@@ -592,8 +599,31 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
               "output with per-op AC); the compiled loss makes no float32 copy of the logits"]
              if cfg.parallel.compile else [])
     return Plan(setup, s.args.num_params(), gpus, gpus_per_node, s.replicate, s.shard, capacity, capacity_source,
-                rows + margins, peak_moment, moments, allocated, allocated + sum(r.bytes for r in margins),
+                rows + margins, peak_moment, moments, allocated, reserved, allocated + sum(r.bytes for r in margins),
                 _host_bytes_per_node(s), _staging_bytes_per_node(cfg, s), _step_seconds(s), notes=notes)
+
+
+def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], peak_moment: str) -> list[Row]:
+    """What the caching allocator reserves beyond the allocated peak, by cause (see the module docstring)."""
+    compute = {name: sum(parts.values()) - parts.get("grads", 0) for name, parts in by_moment.items()}
+    compute_moment = max(compute, key=compute.get)
+    grads_at_peak = by_moment[peak_moment].get("grads", 0)
+    gradients = (0 if s.offload else 4 * s.shard_numel()) - grads_at_peak
+
+    def gathered(group: Group) -> int:
+        return s.pbytes * group.gathered_numel(s.shard)
+    # The largest group outside the blocks (Llama: embedding or output projection) and the blocks gathered ahead.
+    all_gather = (max((gathered(g) for g in s.groups if g.role != "block"), default=0)
+                  + s.prefetch * max(gathered(g) for g in s.groups if g.role == "block"))
+    rows = [Row("grad memory kept by the reduce-scatter stream", gradients,
+                "FSDP2 allocates gradients on that stream; what zero_grad frees stays there"),
+            Row("all-gather stream's buffers", all_gather, "the largest gathered group + the blocks gathered ahead")]
+    if compute_moment != peak_moment and compute[compute_moment] > compute[peak_moment]:
+        rows.append(Row(f"compute stream's peak at {compute_moment}", compute[compute_moment] - compute[peak_moment],
+                        "beyond its use at this moment"))
+    rows.append(Row(f"allocator fragmentation ({FRAGMENTATION:.0%})", int(FRAGMENTATION * compute[compute_moment]),
+                    "of the compute stream's peak"))
+    return rows
 
 
 def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:

@@ -217,12 +217,14 @@ def scheduled_gc(every: int):
 
 
 def planned_vs_measured(memory_plan: Plan, device: torch.device) -> dict:
-    """The plan's predicted allocator peak beside the measured one, logged once after the first steps."""
+    """The plan's predicted allocator peak and reserved memory beside the measured ones, logged once after the
+    first steps."""
     planned = memory_plan.predicted_peak_bytes / GiB
     measured = torch.cuda.max_memory_allocated(device) / GiB
+    planned_reserved = memory_plan.predicted_reserved_bytes / GiB
     logger.info(f"memory: planned peak {planned:.2f} GiB, measured {measured:.2f} GiB "
-                f"({100 * (planned / measured - 1):+.1f}%)")
-    return {"planned_peak_gib": planned, "measured_peak_gib": measured}
+                f"({100 * (planned / measured - 1):+.1f}%); planned reserved {planned_reserved:.2f} GiB")
+    return {"planned_peak_gib": planned, "measured_peak_gib": measured, "planned_reserved_gib": planned_reserved}
 
 
 def start_rows_file(output_dir: Path, start_step: int) -> Path:

@@ -31,3 +31,28 @@ def test_kernel_totals_group_calls_by_category_and_name():
     assert totals["matmul"] == {"nvjet_sm90_tst_256x128": [100, 300]}
     assert list(totals["other"]) == ["triton_poi_fused__scaled_dot_product_cudnn_attention_mul"]
     assert "attention" not in totals
+
+
+def test_plan_accuracy_runs_each_row_through_the_throughput_runner(monkeypatch, tmp_path, capsys):
+    """The matrix script calls throughput.run_variant as that function is now, and reports both errors."""
+    import inspect
+
+    import plan_accuracy
+    import throughput
+
+    calls = []
+
+    def fake_run_variant(*args, **kwargs):
+        inspect.signature(throughput.run_variant).bind(*args, **kwargs)  # raises on a stale call
+        calls.append(args)
+        return {"variant": args[0], "planned_peak_gib": 10.0, "measured_peak_gib": 8.0,
+                "planned_reserved_gib": 11.0, "mem_reserved_gib": 11.0}
+
+    monkeypatch.setattr(plan_accuracy, "run_variant", fake_run_variant)
+    monkeypatch.setattr(plan_accuracy, "result_dir", lambda gpus: tmp_path)
+    monkeypatch.setattr(plan_accuracy.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(sys, "argv", ["plan_accuracy.py", "--row", "1 tiny=configs/debug.toml --ac.mode op"])
+    plan_accuracy.main()
+    assert [c[0] for c in calls] == ["tiny"] and calls[0][2] == ["--ac.mode", "op"]
+    assert "peak: planned  10.00 GiB, measured   8.00 GiB, +25.0%" in capsys.readouterr().out
+    assert (tmp_path / "plan_accuracy.json").is_file()
