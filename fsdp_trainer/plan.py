@@ -36,12 +36,12 @@ The model of memory, per GPU, in the steady state (step 2 on, once AdamW's state
 The allocator peak was checked against torch.cuda.max_memory_allocated() on one and two H200s (torch 2.11, cuDNN
 attention, fused RMSNorm) for AC none/op/selective/full, grad accumulation, deferred sync and reshard never, tied and
 untied: within 0.4% each, and on four H200s for the full 8B and 8.5B models with AC op and full (tests/test_plan.py
-keeps those numbers). The reserved estimate was checked against torch.cuda.max_memory_reserved() of the full 8B on
-four H200s, compiled and eager, AC none/op/full, micro-batch 1 and 2, reshard never and keep_gathered: -1% to +4%. Compiled blocks without AC keep no SiLU output, as Inductor recomputes it, and compiled per-op
+keeps those numbers). Compiled blocks without AC keep no SiLU output, as Inductor recomputes it, and compiled per-op
 AC blocks keep no w2 output, which no backward reads (each within 0.2% of the 8B peaks on two and four H200s); the
 compiled loss holds the logits and their param_dtype gradient, no float32 buffers (`fsdp_trainer.loss`). The
-chunked loss and two-block prefetch were checked on two H200s (within 2%). Not checked on GPUs: CPU offload, HSDP,
-float16.
+chunked loss and two-block prefetch were checked on two H200s (within 2%). The reserved estimate was checked against
+torch.cuda.max_memory_reserved() of the full 8B on four H200s, compiled and eager, AC none/op/full, micro-batch 1
+and 2, reshard never and keep_gathered: -1% to +4%. Not checked on GPUs: CPU offload, HSDP, float16.
 """
 
 from __future__ import annotations
@@ -278,6 +278,10 @@ class _Setup:
     def gathered_numel(self, groups: Sequence[Group] | None = None) -> int:
         return sum(g.gathered_numel(self.shard) for g in (self.groups if groups is None else groups))
 
+    def gathered_bytes(self, group: Group) -> int:
+        """One group's all-gathered parameters, in param_dtype."""
+        return self.pbytes * group.gathered_numel(self.shard)
+
 
 def _setup(cfg: Config, gpus: int, gpus_per_node: int) -> _Setup:
     args = model_args_from_config(cfg.model)
@@ -288,8 +292,7 @@ def _setup(cfg: Config, gpus: int, gpus_per_node: int) -> _Setup:
     return _Setup(args, fsdp_groups(args), gpus, gpus_per_node, replicate, shard, pbytes,
                   DTYPE_BYTES[p.reduce_dtype], cfg.train.seq_len, cfg.train.micro_batch_size,
                   cfg.train.grad_accum_steps, cfg.ac.mode, cfg.ac.every, p.reshard_after_forward, p.keep_gathered,
-                  p.cpu_offload,
-                  p.defer_grad_sync and cfg.train.grad_accum_steps > 1, cfg.train.loss_chunk_tokens,
+                  p.cpu_offload, p.defer_grad_sync and cfg.train.grad_accum_steps > 1, cfg.train.loss_chunk_tokens,
                   p.prefetch, p.compile)
 
 
@@ -302,9 +305,7 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
     tokens, vocab = s.tokens, s.args.vocab_size
     on_gpu = 0 if s.offload else 1  # CPU offload moves the float32 shards and AdamW's state to host memory
     shards = 4 * s.shard_numel() * on_gpu
-
-    def gathered(group: Group) -> int:
-        return s.pbytes * group.gathered_numel(s.shard)
+    gathered = s.gathered_bytes
 
     def gathered_unless_kept(group: Group) -> int:
         return 0 if group in kept else gathered(group)
@@ -609,12 +610,9 @@ def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], peak_moment: str)
     compute_moment = max(compute, key=compute.get)
     grads_at_peak = by_moment[peak_moment].get("grads", 0)
     gradients = (0 if s.offload else 4 * s.shard_numel()) - grads_at_peak
-
-    def gathered(group: Group) -> int:
-        return s.pbytes * group.gathered_numel(s.shard)
     # The largest group outside the blocks (Llama: embedding or output projection) and the blocks gathered ahead.
-    all_gather = (max((gathered(g) for g in s.groups if g.role != "block"), default=0)
-                  + s.prefetch * max(gathered(g) for g in s.groups if g.role == "block"))
+    all_gather = (max((s.gathered_bytes(g) for g in s.groups if g.role != "block"), default=0)
+                  + s.prefetch * max(s.gathered_bytes(g) for g in s.groups if g.role == "block"))
     rows = [Row("grad memory kept by the reduce-scatter stream", gradients,
                 "FSDP2 allocates gradients on that stream; what zero_grad frees stays there"),
             Row("all-gather stream's buffers", all_gather, "the largest gathered group + the blocks gathered ahead")]
