@@ -88,6 +88,9 @@ PCIE_BW = 25e9
 """Host <-> GPU copies of pinned memory (PCIe 5 x16 achieved), for CPU offload."""
 HOST_ADAMW_BW = 10e9
 """Bytes/s one process's CPU AdamW (foreach) streams through host memory under CPU offload."""
+GATHER_COPY_SECONDS_PER_BYTE = 1.3e-3 / GiB
+"""Compute-stream time of FSDP2's copies per all-gathered byte: 32 fewer re-gathers of the 8B's blocks (13.6 GiB
+per step) made a 4 x H200 step 18 ms shorter (benchmarks/README.md, keeping blocks gathered)."""
 OP_AC_RECOMPUTE = 0.05
 """Per-op AC recomputes only elementwise work (norms, RoPE, SiLU, products): ~5% of step time, no matmuls."""
 
@@ -419,14 +422,15 @@ def _recompute_fraction(s: _Setup) -> float:
 
 
 def _step_seconds(s: _Setup) -> float:
-    """Rough time of one optimizer step: FSDP overlaps collectives with compute, so the slower sets the pace;
-    CPU offload's copies and host AdamW are added in full."""
+    """Rough time of one optimizer step: FSDP overlaps collectives with compute, so the slower sets the pace, and
+    copies every gathered group out on the compute stream; CPU offload's copies and host AdamW are added in full."""
     compute = s.accum * s.tokens * s.args.flops_per_token(s.seq) * (1 + _recompute_fraction(s)) / ACHIEVED_FLOPS
     numel = s.gathered_numel()
     resharded = numel - s.gathered_numel(kept_after_forward(s.groups, s.reshard, s.keep_gathered))
     reduces = 1 if s.defer else s.accum
     # Each micro-batch gathers every group for forward and the resharded ones again for backward.
-    shard_bytes = s.accum * s.pbytes * (numel + resharded) + reduces * s.rbytes * numel
+    gathered = s.accum * s.pbytes * (numel + resharded)
+    shard_bytes = gathered + reduces * s.rbytes * numel
     shard_bw = INTRA_NODE_BUS_BW if s.shard <= s.gpus_per_node else INTER_NODE_BUS_BW
     comm = shard_bytes * (s.shard - 1) / s.shard / shard_bw
     if s.replicate > 1:  # HSDP all-reduces the sharded gradients across replicas
@@ -438,7 +442,7 @@ def _step_seconds(s: _Setup) -> float:
         copies = 4 * shard * (s.accum * (numel + resharded) / numel + reduces)  # float32 shards in, gradients out
         # AdamW reads parameter, gradient and both moments and writes back three of them: 28 bytes per element.
         offload = copies / PCIE_BW + 28 * shard / HOST_ADAMW_BW
-    return max(compute, comm) + offload
+    return max(compute, comm) + gathered * GATHER_COPY_SECONDS_PER_BYTE + offload
 
 
 def _host_bytes_per_node(s: _Setup) -> int:
@@ -663,9 +667,8 @@ def plan(cfg: Config, gpus: int, gpu_memory_bytes: int, gpus_per_node: Optional[
     result = _estimate(cfg, gpus, capacity, source, per_node)
     if not result.fits:
         result.suggestions = _suggestions(cfg, result)
-    hsdp = _hsdp_option(cfg, result)
-    if hsdp:
-        result.suggestions.append(hsdp)
+    options = [_hsdp_option(cfg, result), _keep_gathered_option(cfg, result)]
+    result.suggestions += [option for option in options if option]
     return result
 
 
@@ -769,6 +772,28 @@ def _more_gpus(cfg: Config, base: Plan) -> Optional[Suggestion]:
             return Suggestion(change, new.gpus, new.total_bytes, _cost(base, new, 1 / factor if same_batch else 1.0),
                               "" if same_batch else f"the global batch grows {factor}x")
     return None
+
+
+def _keep_gathered_option(cfg: Config, result: Plan) -> Optional[Suggestion]:
+    """For a run that fits with room to spare: the most blocks `parallel.keep_gathered` can keep and still fit,
+    each one all-gather and its copies fewer per step."""
+    p = cfg.parallel
+    n_layers = model_args_from_config(cfg.model).n_layers
+    if not result.fits or p.reshard_after_forward != "default" or p.keep_gathered >= n_layers:
+        return None
+    low, high = p.keep_gathered, n_layers  # the largest count that fits, by bisection: memory grows with it
+    while low < high:
+        middle = (low + high + 1) // 2
+        if _replan(cfg, result, {"parallel.keep_gathered": middle}).fits:
+            low = middle
+        else:
+            high = middle - 1
+    if low == p.keep_gathered:
+        return None
+    change = {"parallel.keep_gathered": low}
+    new = _replan(cfg, result, change)
+    return Suggestion(change, result.gpus, new.total_bytes, _cost(result, new),
+                      f"keeps the last {low} blocks gathered from forward to backward: faster, uses the headroom")
 
 
 def _hsdp_option(cfg: Config, result: Plan) -> Optional[Suggestion]:

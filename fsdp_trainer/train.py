@@ -184,7 +184,8 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
             with watchdog.paused():
                 ckpt.finish(progress)
     except torch.OutOfMemoryError as err:
-        top = memory_plan.suggestions[0].describe() if memory_plan and memory_plan.suggestions else None
+        smaller = [s for s in memory_plan.suggestions if s.total_bytes < memory_plan.total_bytes] if memory_plan else []
+        top = smaller[0].describe() if smaller else None
         snapshots = output_dir / "memory" if cfg.memory.oom_snapshot else None
         logger.error(describe_oom(err, info.rank, device, memory_plan and memory_plan.predicted_peak_bytes, top,
                                   snapshots))
