@@ -5,8 +5,8 @@
 #   tests        GPU-marked tests and the SDPA backends
 #   collectives  the doctor's bandwidth table beside a bare NCCL all_reduce, on 2 GPUs and on NGPU (NGPU > 1)
 #   small        Llama 3.2 1B: throughput (eager/compiled, AC modes), FSDP vs DDP, weak scaling 1..NGPU
-#   8b           Llama 3 8B at seq 8192, the speed targets' settings: eager/compiled per-op AC, compiled full AC,
-#                compiled no AC, compiled per-op AC micro-batch 2
+#   8b           Llama 3 8B at seq 8192, the speed targets' settings: eager/compiled per-op AC (compiled also keeping
+#                every block gathered), compiled full AC, compiled no AC, compiled per-op AC micro-batch 2
 #   levers       8B, each open speed lever beside its own baseline in one sweep: Python's automatic garbage
 #                collection instead of train.gc_every (compiled per-op AC), no resharding after forward (compiled
 #                per-op, no and full AC), the caching allocator without expandable segments (the launchers' default
@@ -64,7 +64,8 @@ for PART in "$@"; do
       python3 benchmarks/scaling.py --config configs/llama3_1b.toml --gpus 1 2 4 8 --steps 25 ;;
     8b)
       throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b \
-        --variant "$EAGER_OP" --variant "$COMPILED_OP" --variant "$COMPILED_FULL" \
+        --variant "$EAGER_OP" --variant "$COMPILED_OP" \
+        --variant "$(lever "$COMPILED_OP" "keep 32" "--parallel.keep_gathered 32")" --variant "$COMPILED_FULL" \
         --variant "$COMPILED_NONE" --variant "compiled opAC mb2=--ac.mode op --train.micro_batch_size 2" ;;
     levers)
       throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b_levers \

@@ -34,6 +34,7 @@ COLUMNS = [("tokens/s/GPU", "tokens_per_s_per_gpu", "{:,.0f}"), ("TFLOPs/GPU", "
            ("planned peak GiB", "planned_peak_gib", "{:.1f}"),
            ("measured peak GiB", "measured_peak_gib", "{:.1f}"), ("data ms", "data_ms", "{:.1f}"),
            ("fwd+bwd ms", "forward_backward_ms", "{:.0f}"), ("optim ms", "optimizer_ms", "{:.1f}"),
+           ("alloc retries", "alloc_retries", "{:,}"),
            ("loss", "loss", "{:.3f}")]
 AVERAGED = ("tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "data_ms", "forward_backward_ms", "optimizer_ms")
 
