@@ -36,13 +36,14 @@ def main() -> None:
     for path in args.traces:
         totals = kernel_totals(json.loads(path.read_text()))
         print(f"== {path}")
-        for cat, kernels in sorted(totals.items(), key=lambda kv: -sum(map(sum, kv[1].values()))):
-            per_step = sum(map(sum, kernels.values())) / 1e3 / args.steps
-            print(f"  {cat}: {per_step:.1f} ms per step, {len(kernels)} kernels")
-            ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:args.top]
-            for name, durations in ranked:
-                print(f"    {sum(durations) / 1e3 / args.steps:8.2f} ms {len(durations) / args.steps:7.1f} x "
-                      f"{sum(durations) / len(durations):8.1f} us  {name[:args.width]}")
+        by_kernel = {cat: {name: sum(durations) for name, durations in kernels.items()}
+                     for cat, kernels in totals.items()}  # µs per kernel name
+        for cat, spent in sorted(by_kernel.items(), key=lambda kv: -sum(kv[1].values())):
+            print(f"  {cat}: {sum(spent.values()) / 1e3 / args.steps:.1f} ms per step, {len(spent)} kernels")
+            for name, total in sorted(spent.items(), key=lambda kv: -kv[1])[:args.top]:
+                calls = len(totals[cat][name])
+                print(f"    {total / 1e3 / args.steps:8.2f} ms {calls / args.steps:7.1f} x {total / calls:8.1f} us  "
+                      f"{name[:args.width]}")
 
 
 if __name__ == "__main__":

@@ -538,6 +538,10 @@ class Plan:
     def headroom_bytes(self) -> int:
         return self.capacity_bytes - self.total_bytes
 
+    def remedy(self) -> Optional[Suggestion]:
+        """The cheapest listed change that uses less memory than this plan (options for a run that fits use more)."""
+        return next((s for s in self.suggestions if s.total_bytes < self.total_bytes), None)
+
     def summary_line(self) -> str:
         verdict = (f"fits, {self.headroom_bytes / GiB:.1f} GiB headroom" if self.fits
                    else f"DOES NOT FIT by {-self.headroom_bytes / GiB:.1f} GiB")
@@ -588,7 +592,7 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
     rows = [Row(ROW_LABELS[key], parts.get(key, 0), note) for key, note in _row_notes(s, cfg).items()
             if parts.get(key, 0) or note]
     allocated = moments[peak_moment]
-    cached = _reserved(s, by_moment, peak_moment)
+    cached = _reserved(s, by_moment, moments, peak_moment)
     reserved = allocated + sum(r.bytes for r in cached)
     margins = cached + [Row("NCCL + cuBLAS workspaces", WORKSPACE_BYTES, "estimate"),
                         Row("CUDA context", CUDA_CONTEXT_BYTES, "estimate, outside PyTorch's allocator")]
@@ -608,9 +612,9 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
                 _host_bytes_per_node(s), _staging_bytes_per_node(cfg, s), _step_seconds(s), notes=notes)
 
 
-def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], peak_moment: str) -> list[Row]:
+def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], moments: dict[str, int], peak_moment: str) -> list[Row]:
     """What the caching allocator reserves beyond the allocated peak, by cause (see the module docstring)."""
-    compute = {name: sum(parts.values()) - parts.get("grads", 0) for name, parts in by_moment.items()}
+    compute = {name: moments[name] - parts.get("grads", 0) for name, parts in by_moment.items()}
     compute_moment = max(compute, key=compute.get)
     grads_at_peak = by_moment[peak_moment].get("grads", 0)
     gradients = (0 if s.offload else 4 * s.shard_numel()) - grads_at_peak
@@ -781,18 +785,17 @@ def _keep_gathered_option(cfg: Config, result: Plan) -> Optional[Suggestion]:
     n_layers = model_args_from_config(cfg.model).n_layers
     if not result.fits or p.reshard_after_forward != "default" or p.keep_gathered >= n_layers:
         return None
-    low, high = p.keep_gathered, n_layers  # the largest count that fits, by bisection: memory grows with it
+    low, high, best = p.keep_gathered, n_layers, None  # the largest count that fits, by bisection
     while low < high:
         middle = (low + high + 1) // 2
-        if _replan(cfg, result, {"parallel.keep_gathered": middle}).fits:
-            low = middle
+        new = _replan(cfg, result, {"parallel.keep_gathered": middle})
+        if new.fits:
+            low, best = middle, new
         else:
             high = middle - 1
-    if low == p.keep_gathered:
+    if best is None:
         return None
-    change = {"parallel.keep_gathered": low}
-    new = _replan(cfg, result, change)
-    return Suggestion(change, result.gpus, new.total_bytes, _cost(result, new),
+    return Suggestion({"parallel.keep_gathered": low}, result.gpus, best.total_bytes, _cost(result, best),
                       f"keeps the last {low} blocks gathered from forward to backward: faster, uses the headroom")
 
 

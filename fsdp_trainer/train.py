@@ -184,8 +184,8 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
             with watchdog.paused():
                 ckpt.finish(progress)
     except torch.OutOfMemoryError as err:
-        smaller = [s for s in memory_plan.suggestions if s.total_bytes < memory_plan.total_bytes] if memory_plan else []
-        top = smaller[0].describe() if smaller else None
+        remedy = memory_plan.remedy() if memory_plan else None
+        top = remedy.describe() if remedy else None
         snapshots = output_dir / "memory" if cfg.memory.oom_snapshot else None
         logger.error(describe_oom(err, info.rank, device, memory_plan and memory_plan.predicted_peak_bytes, top,
                                   snapshots))

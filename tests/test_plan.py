@@ -119,6 +119,9 @@ def test_a_run_with_headroom_is_offered_the_most_blocks_kept_gathered_that_still
     assert not plan(cfg_for("--ac.mode", "op", "--parallel.compile", "--parallel.keep_gathered", str(n + 1)), 4,
                     parse_memory("80GB")).fits
     assert "--parallel.keep_gathered" in p.render()
+    assert p.remedy() is None  # an out-of-memory report of a run that fits suggests no option that uses more
+    tight = plan(cfg, 4, parse_memory("40GB"))
+    assert not tight.fits and tight.remedy() is tight.suggestions[0]
     roomy = plan(cfg, 4, BIG).suggestions
     assert {"parallel.keep_gathered": 32} in [s.change for s in roomy]
     assert not any("parallel.keep_gathered" in s.change
