@@ -14,6 +14,8 @@
 #   keep         8B compiled: no AC within a 71 GiB allocator cap (the reference trainer's reserved peak), alone
 #                and keeping the last 8 or 16 blocks gathered (parallel.keep_gathered); per-op and full AC keeping
 #                all 32
+#   pool         8B compiled, no/per-op/full AC: the sharded gradients in the compute stream's memory pool (the
+#                default, parallel.grads_in_compute_pool) beside FSDP2's own allocation on its reduce-scatter stream
 #   autotune     8B compiled per-op AC: Inductor's GEMM autotuning, and its coordinate-descent tuning of the fused
 #                kernels, each beside the baseline (long compiles: a part of its own)
 #   profile      8B per-op AC, eager and compiled: the profiler's per-step breakdown (matmul, attention,
@@ -82,6 +84,12 @@ for PART in "$@"; do
         --variant "$(lever "$COMPILED_NONE" "71GiB keep 16" "$cap --parallel.keep_gathered 16")" \
         --variant "$(lever "$COMPILED_OP" "keep 32" "--parallel.keep_gathered 32")" \
         --variant "$(lever "$COMPILED_FULL" "keep 32" "--parallel.keep_gathered 32")" ;;
+    pool)
+      apart="--parallel.no_grads_in_compute_pool"
+      throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b_grads_pool \
+        --variant "$COMPILED_NONE" --variant "$(lever "$COMPILED_NONE" "grads apart" "$apart")" \
+        --variant "$COMPILED_OP" --variant "$(lever "$COMPILED_OP" "grads apart" "$apart")" \
+        --variant "$COMPILED_FULL" --variant "$(lever "$COMPILED_FULL" "grads apart" "$apart")" ;;
     autotune)
       throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b_autotune \
         --variant "$COMPILED_OP" \

@@ -154,6 +154,12 @@ class ParallelConfig:
     defer_grad_sync: bool = False
     """With grad_accum_steps > 1, reduce-scatter gradients only after the last micro-batch: less communication,
     but every rank then holds unsharded gradients meanwhile."""
+    grads_in_compute_pool: bool = True
+    """Allocate the sharded gradients from the compute stream's memory, so that what zero_grad frees serves the next
+    forward's activations; FSDP2 keeps them on its reduce-scatter stream, whose freed memory nothing else can use
+    (4 bytes per local parameter of reserved memory beyond the peak). Applies where it is safe without extra
+    synchronization: GPUs, FSDP without HSDP, float32 reduce_dtype, no CPU offload, and grad_accum_steps 1 or
+    defer_grad_sync; elsewhere FSDP2's own allocation is used."""
 
 
 @dataclass
@@ -394,6 +400,14 @@ def resolve_param_dtype(name: str, device_type: str) -> str:
         return "float32"
     import torch
     return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
+
+def grads_in_compute_pool(parallel: ParallelConfig, grad_accum_steps: int) -> bool:
+    """Whether parallel.grads_in_compute_pool applies to this run (see `parallelize.ComputePoolReduceScatter`):
+    each sharded gradient must be the reduce-scatter's output itself, written once per zero_grad."""
+    p = parallel
+    return (p.grads_in_compute_pool and p.dp_replicate == 1 and p.reduce_dtype == "float32" and not p.cpu_offload
+            and (grad_accum_steps == 1 or p.defer_grad_sync))
 
 
 def validate(cfg: Config, world_size: int, device_type: str) -> None:

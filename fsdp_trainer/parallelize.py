@@ -21,8 +21,11 @@ from typing import Iterable, Literal, Sequence
 
 import torch
 from torch import nn
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+# The interface FSDPModule.set_custom_reduce_scatter takes; torch.distributed.fsdp does not re-export it.
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -90,11 +93,45 @@ def apply_compile(model: nn.Module, block_types: Sequence[type]) -> None:
         block.forward = torch.compile(block.forward, fullgraph=True)
 
 
+class ComputePoolReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter with its output, which becomes the sharded gradients, allocated from the compute
+    stream's memory pool instead of the reduce-scatter stream's.
+
+    The caching allocator lends a stream's freed memory to that stream only. Left on the reduce-scatter stream, the
+    gradients that zero_grad frees stay reserved for the next step's gradients, out of reach of the next forward's
+    activations, which peak while no gradient exists: 4 bytes per local parameter reserved beyond the peak.
+
+    No `record_stream` is needed where every free of the output is ordered on the compute stream behind the
+    reduce-scatter: FSDP2 makes the compute stream wait for the reduce-scatter stream before the optimizer, and
+    zero_grad frees the gradients after it. That holds only when the output itself becomes the gradient: a 1-D mesh
+    (HSDP all-reduces it on another stream), float32 reduction into the float32 shards (no cast to a new tensor),
+    no CPU offload (no copy to host), and no accumulation into an existing sharded gradient, which adds the output
+    on the reduce-scatter stream and drops it at once (`grads_in_compute_pool` in `fsdp_trainer.config` checks
+    all four). `record_stream` would be safe everywhere, but it defers each freed block until the GPU has passed
+    the reduce-scatter stream's work, and the CPU runs a step ahead: measured on 4 H200s, it reserved no less."""
+
+    def __init__(self, compute_stream: torch.cuda.Stream):
+        self.compute_stream = compute_stream
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        stream = torch.cuda.current_stream(device)
+        with torch.cuda.stream(self.compute_stream):
+            buffer = torch.empty(*size, dtype=dtype, device=device)
+        # The block may have been freed by compute-stream work still queued: the stream that writes it waits for
+        # that work first. FSDP2 makes the same wait before its reduce-scatter; here it does not depend on where.
+        if stream != self.compute_stream:
+            stream.wait_stream(self.compute_stream)
+        return buffer
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type],
                groups: Iterable[Sequence[nn.Module]] = (),
                param_dtype: torch.dtype = torch.bfloat16, reduce_dtype: torch.dtype = torch.float32,
                reshard_after_forward: ReshardPolicy = "default", keep_gathered: int = 0, prefetch: int = 1,
-               cpu_offload: bool = False) -> None:
+               cpu_offload: bool = False, grads_in_compute_pool: bool = False) -> None:
     """`fully_shard` each block, then each extra group of modules, then the root.
 
     `groups` are modules outside the blocks that deserve their own all-gather (for Llama: the embedding;
@@ -102,7 +139,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     (replicate, shard) mesh gives HSDP. Sharded parameters stay float32 (the optimizer's master weights);
     `param_dtype` is only the dtype they are gathered in. `keep_gathered` blocks, counted back from the last, also
     stay gathered after forward under the default policy. `prefetch` > 1 makes each block all-gather that many
-    blocks ahead of itself, in forward and in backward (1 leaves FSDP2's schedule of one ahead)."""
+    blocks ahead of itself, in forward and in backward (1 leaves FSDP2's schedule of one ahead).
+    `grads_in_compute_pool` lets the sharded gradients and the activations share memory (CUDA; see
+    `ComputePoolReduceScatter` for when it is safe: the caller vouches for it)."""
+    if grads_in_compute_pool and (mesh.ndim != 1 or cpu_offload or reduce_dtype != torch.float32):
+        raise ValueError("grads_in_compute_pool needs a 1-D mesh, float32 reduction and no CPU offload: the sharded "
+                         "gradients must be the reduce-scatter's output itself")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp, offload_policy=offload)
@@ -120,6 +162,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     for index, group in enumerate(groups):
         shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard(index == len(groups) - 1))
     shard(model)
+    if grads_in_compute_pool and mesh.device_type == "cuda":  # one memory pool per device elsewhere
+        comm = ComputePoolReduceScatter(torch.cuda.current_stream())
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(comm)
     if prefetch > 1:
         for index, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[index + 1:index + 1 + prefetch])

@@ -60,7 +60,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from fsdp_trainer.config import Config, ConfigError, mesh_shape, parse_args, validate
+from fsdp_trainer.config import Config, ConfigError, grads_in_compute_pool, mesh_shape, parse_args, validate
 from fsdp_trainer.metrics import GiB
 from fsdp_trainer.models.llama import ModelArgs, build, model_args_from_config
 
@@ -270,6 +270,7 @@ class _Setup:
     loss_chunk: int
     prefetch: int
     compiled: bool
+    pooled_grads: bool  # parallel.grads_in_compute_pool applies: gradients share the compute stream's memory
 
     @property
     def tokens(self) -> int:
@@ -296,7 +297,7 @@ def _setup(cfg: Config, gpus: int, gpus_per_node: int) -> _Setup:
                   DTYPE_BYTES[p.reduce_dtype], cfg.train.seq_len, cfg.train.micro_batch_size,
                   cfg.train.grad_accum_steps, cfg.ac.mode, cfg.ac.every, p.reshard_after_forward, p.keep_gathered,
                   p.cpu_offload, p.defer_grad_sync and cfg.train.grad_accum_steps > 1, cfg.train.loss_chunk_tokens,
-                  p.prefetch, p.compile)
+                  p.prefetch, p.compile, grads_in_compute_pool(p, cfg.train.grad_accum_steps))
 
 
 def _moments(s: _Setup) -> dict[str, dict[str, int]]:
@@ -614,16 +615,19 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
 
 def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], moments: dict[str, int], peak_moment: str) -> list[Row]:
     """What the caching allocator reserves beyond the allocated peak, by cause (see the module docstring)."""
-    compute = {name: moments[name] - parts.get("grads", 0) for name, parts in by_moment.items()}
+    on_side_stream = not (s.offload or s.pooled_grads)  # the gradients' memory, out of the activations' reach
+    compute = {name: moments[name] - (parts.get("grads", 0) if on_side_stream else 0)
+               for name, parts in by_moment.items()}
     compute_moment = max(compute, key=compute.get)
-    grads_at_peak = by_moment[peak_moment].get("grads", 0)
-    gradients = (0 if s.offload else 4 * s.shard_numel()) - grads_at_peak
     # The largest group outside the blocks (Llama: embedding or output projection) and the blocks gathered ahead.
     all_gather = (max((s.gathered_bytes(g) for g in s.groups if g.role != "block"), default=0)
                   + s.prefetch * max(s.gathered_bytes(g) for g in s.groups if g.role == "block"))
-    rows = [Row("grad memory kept by the reduce-scatter stream", gradients,
-                "FSDP2 allocates gradients on that stream; what zero_grad frees stays there"),
-            Row("all-gather stream's buffers", all_gather, "the largest gathered group + the blocks gathered ahead")]
+    rows = []
+    if on_side_stream:
+        rows.append(Row("grad memory kept by the reduce-scatter stream",
+                        4 * s.shard_numel() - by_moment[peak_moment].get("grads", 0),
+                        "FSDP2 allocates gradients on that stream; what zero_grad frees stays there"))
+    rows.append(Row("all-gather stream's buffers", all_gather, "the largest gathered group + the blocks gathered ahead"))
     if compute_moment != peak_moment and compute[compute_moment] > compute[peak_moment]:
         rows.append(Row(f"compute stream's peak at {compute_moment}", compute[compute_moment] - compute[peak_moment],
                         "beyond its use at this moment"))

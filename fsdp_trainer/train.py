@@ -28,7 +28,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdp_trainer import distributed
 from fsdp_trainer.checkpoint import CheckpointError, Checkpointer
-from fsdp_trainer.config import Config, ConfigError, mesh_shape, parse_args, resolve_param_dtype, to_toml, validate
+from fsdp_trainer.config import (Config, ConfigError, grads_in_compute_pool, mesh_shape, parse_args, resolve_param_dtype,
+                                 to_toml, validate)
 from fsdp_trainer.data import build_dataloader, check_source, samples_per_step, stop_workers
 from fsdp_trainer.distributed import logger
 from fsdp_trainer.faults import NonFiniteError, NonFiniteGuard, Watchdog, describe_oom, enable_flight_recorder
@@ -56,7 +57,8 @@ def build_model(cfg: Config, mesh, device: torch.device):
     apply_fsdp(model, mesh, block_types=blocks, groups=groups,
                param_dtype=DTYPES[resolve_param_dtype(p.param_dtype, device.type)],
                reduce_dtype=DTYPES[p.reduce_dtype], reshard_after_forward=p.reshard_after_forward,
-               keep_gathered=p.keep_gathered, prefetch=p.prefetch, cpu_offload=p.cpu_offload)
+               keep_gathered=p.keep_gathered, prefetch=p.prefetch, cpu_offload=p.cpu_offload,
+               grads_in_compute_pool=grads_in_compute_pool(p, cfg.train.grad_accum_steps))
     init_weights(model, device, seed=cfg.train.seed, offload=p.cpu_offload)
     return model, args
 

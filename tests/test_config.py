@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_trainer.config import Config, ConfigError, load_toml, mesh_shape, parse_args, to_toml, validate
+from fsdp_trainer.config import (Config, ConfigError, grads_in_compute_pool, load_toml, mesh_shape, parse_args, to_toml,
+                                 validate)
 from fsdp_trainer.models.llama import model_args_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,6 +110,20 @@ def test_keep_gathered_only_adds_to_the_default_reshard_policy():
     with pytest.raises(ConfigError, match="but reshard_after_forward=never; set one or the other"):
         validate(cfg, 1, "cpu")
     validate(parse_args(["--parallel.keep_gathered", "4"]), 1, "cpu")
+
+
+@pytest.mark.parametrize("flags,applies", [
+    ([], True),
+    (["--train.grad_accum_steps", "2"], False),  # the second micro-batch adds into the gradient
+    (["--train.grad_accum_steps", "2", "--parallel.defer_grad_sync"], True),  # one reduce-scatter per step
+    (["--parallel.dp_replicate", "2"], False),  # HSDP all-reduces the output on another stream
+    (["--parallel.reduce_dtype", "bfloat16"], False),  # cast to a new float32 tensor
+    (["--parallel.cpu_offload"], False),  # copied to host
+    (["--parallel.no_grads_in_compute_pool"], False),
+])
+def test_gradients_share_the_compute_pool_only_where_the_reduce_scatter_output_is_the_gradient(flags, applies):
+    cfg = parse_args(flags)
+    assert grads_in_compute_pool(cfg.parallel, cfg.train.grad_accum_steps) is applies
 
 
 def test_every_shipped_config_loads_and_validates_for_gpus():

@@ -133,3 +133,50 @@ def test_cuda_oom_names_rank_phase_and_plan(tmp_path):
     assert proc.returncode != 0
     assert "rank 0: CUDA out of memory during" in proc.stderr
     assert "the memory plan predicted" in proc.stderr and "memory snapshot" in proc.stderr
+
+
+def _gradient_streams(model) -> set[int]:
+    """The allocator streams whose segments hold the model's sharded gradients."""
+    torch.cuda.synchronize()
+    addresses = {p.grad.to_local().data_ptr() for p in model.parameters()}
+    return {s["stream"] for s in torch.cuda.memory_snapshot() for a in addresses
+            if s["address"] <= a < s["address"] + s["total_size"]}
+
+
+def test_gradients_in_the_compute_pool_train_identically_and_live_on_the_compute_stream(info, tmp_path):
+    """parallel.grads_in_compute_pool: the same losses, bit for bit, with the sharded gradients in memory the
+    allocator lends to the compute (default) stream instead of FSDP2's reduce-scatter stream."""
+    def streams_and_losses(pool: bool):
+        result = _run(info, tmp_path / str(pool), train={"steps": 6, "deterministic": True},
+                      parallel={"grads_in_compute_pool": pool})
+        model = result["model"]  # the run ended with zero_grad: one more backward makes gradients to look at
+        model(torch.randint(0, 320, (2, 32), device="cuda")).float().logsumexp(-1).mean().backward()
+        return _gradient_streams(model), [r["loss"] for r in result["history"]]
+
+    default_stream = torch.cuda.default_stream().cuda_stream
+    pooled_streams, pooled = streams_and_losses(True)
+    side_streams, reference = streams_and_losses(False)
+    assert pooled == reference
+    assert pooled_streams == {default_stream} and default_stream not in side_streams
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gradients_in_the_compute_pool_train_identically_on_two_gpus(tmp_path):
+    """The same, sharded over two GPUs with NCCL, on blocks large enough for the CPU to run ahead of the GPU:
+    a gradient block lent out again before the reduce-scatter wrote it would change the losses."""
+    import json
+    import subprocess
+    import sys
+
+    def losses(flag: str) -> list[float]:
+        out = tmp_path / flag
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "fsdp_trainer.train",
+                        "--model.name", "1b", "--model.n_layers", "4", "--train.seq_len", "2048",
+                        "--train.micro_batch_size", "2", "--train.steps", "8", "--train.log_every", "1",
+                        "--train.deterministic", "--data.source", "synthetic", "--train.output_dir", str(out),
+                        "--checkpoint.interval", "0", "--checkpoint.no_save_final", "--metrics.no_tensorboard",
+                        f"--parallel.{flag}"], check=True, timeout=600)
+        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    pooled = losses("grads_in_compute_pool")
+    assert len(pooled) == 8 and pooled == losses("no_grads_in_compute_pool")

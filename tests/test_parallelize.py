@@ -181,6 +181,16 @@ def test_blocks_kept_gathered_after_forward(reshard, keep, gathered):
     assert run_ranks(gathered_after_forward, 2, reshard, keep) == [gathered, gathered]
 
 
+@pytest.mark.parametrize("unsafe", [{"cpu_offload": True}, {"reduce_dtype": torch.bfloat16}])
+def test_gradients_in_the_compute_pool_are_refused_where_the_gradient_is_not_the_reduce_scatter_output(unsafe):
+    class OneDimMesh:
+        ndim, device_type = 1, "cuda"
+
+    with pytest.raises(ValueError, match="grads_in_compute_pool needs a 1-D mesh, float32 reduction and no CPU"):
+        apply_fsdp(build(ARGS, device="meta"), OneDimMesh(), block_types=(TransformerBlock,),
+                   grads_in_compute_pool=True, **unsafe)
+
+
 def test_prefetch_two_asks_each_block_for_the_next_two_in_both_directions():
     assert run_ranks(record_prefetch, 1, 1) == [{}]  # FSDP2's own schedule
     assert run_ranks(record_prefetch, 1, 2) == [{
