@@ -18,6 +18,8 @@
 #                default, parallel.grads_in_compute_pool) beside FSDP2's own allocation on its reduce-scatter stream
 #   autotune     8B compiled per-op AC: Inductor's GEMM autotuning, and its coordinate-descent tuning of the fused
 #                kernels, each beside the baseline (long compiles: a part of its own)
+#   clocks       8B compiled, no/per-op/full AC: SM clock and power of every GPU, sampled by nvidia-smi every 100 ms
+#                while it is busy, beside each run's rate (results/.../clocks_llama3_8b.txt): is the step power-bound?
 #   profile      8B per-op AC, eager and compiled: the profiler's per-step breakdown (matmul, attention,
 #                communication and how much of it is exposed, optimizer, idle), and the heaviest kernels of both,
 #                in results/.../profile_llama3_8b.log
@@ -95,6 +97,28 @@ for PART in "$@"; do
         --variant "$COMPILED_OP" \
         --variant "$(env_lever "$COMPILED_OP" "GEMM autotuning" "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1")" \
         --variant "$(env_lever "$COMPILED_OP" "coordinate descent" "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1")" ;;
+    clocks)
+      log="$(cd benchmarks && python3 -c "from results import result_dir; print(result_dir($NGPU))")/clocks_llama3_8b.txt"
+      nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv | tee "$log"
+      for ac in none op full; do
+        nvidia-smi --query-gpu=clocks.sm,power.draw,utilization.gpu --format=csv,noheader,nounits -lms 100 \
+          > "/tmp/clocks_$ac.csv" &
+        sampler=$!
+        cmd=(python3 -m torch.distributed.run --nproc_per_node="$NGPU" -m fsdp_trainer.train
+          --config configs/llama3_8b.toml --ac.mode "$ac" --train.steps 24 --train.log_every 8
+          --train.output_dir "/tmp/clocks_$ac" --checkpoint.interval 0 --checkpoint.resume none
+          --checkpoint.no_save_final --metrics.no_tensorboard)
+        echo "\$ ${cmd[*]}" | tee -a "$log"
+        "${cmd[@]}" 2>&1 | grep -E "step (16|24)/" | tee -a "$log"
+        kill "$sampler"
+        python3 - "/tmp/clocks_$ac.csv" "$ac" <<'PY' | tee -a "$log"
+import sys
+rows = [[float(x) for x in line.split(",")] for line in open(sys.argv[1]) if line.count(",") == 2]
+busy = [r for r in rows if r[2] >= 90]
+mean = lambda i: sum(r[i] for r in busy) / max(len(busy), 1)
+print(f"ac {sys.argv[2]}: {len(busy)} GPU samples at >= 90% utilization, mean SM {mean(0):.0f} MHz, mean {mean(1):.0f} W")
+PY
+      done ;;
     profile)  # where each step's GPU time goes, eager and compiled (the trace files stay on the machine)
       log="$(cd benchmarks && python3 -c "from results import result_dir; print(result_dir($NGPU))")/profile_llama3_8b.log"
       for compile in no_compile compile; do
