@@ -99,7 +99,8 @@ for PART in "$@"; do
         --variant "$(env_lever "$COMPILED_OP" "coordinate descent" "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1")" ;;
     clocks)
       log="$(cd benchmarks && python3 -c "from results import result_dir; print(result_dir($NGPU))")/clocks_llama3_8b.txt"
-      nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv | tee "$log"
+      { date -u +%FT%TZ; python3 -c "import torch; print('torch', torch.__version__)"
+        nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv; } | tee "$log"
       for ac in none op full; do
         nvidia-smi --query-gpu=clocks.sm,power.draw,utilization.gpu --format=csv,noheader,nounits -lms 100 \
           > "/tmp/clocks_$ac.csv" &

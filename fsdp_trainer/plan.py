@@ -26,12 +26,14 @@ The model of memory, per GPU, in the steady state (step 2 on, once AdamW's state
     loss backward (or the chunked loss), output-projection backward, last block's backward, end of backward.
     The fused AdamW step updates in place and stays below "end of backward".
   - Then what the caching allocator reserves beyond that peak (`_reserved`). It lends a stream's freed memory to
-    that stream only, and FSDP2 allocates the sharded gradients on its reduce-scatter stream and the all-gather
-    outputs on its all-gather stream: what zero_grad frees stays reserved for the next gradients, out of the
-    activations' reach. Reserved = the compute stream's largest moment (gradients excluded) plus fragmentation,
-    plus every sharded gradient, plus the all-gather stream's buffers. Below that, a capped allocator runs but
-    empties its cache and retries, stalling the GPU, each step (8B, no AC, 4 H200s: 74.1 GiB reserved uncapped;
-    capped at 71 GiB, 45% slower). Last, NCCL/cuBLAS workspaces and the CUDA context, outside the allocator.
+    that stream only, and FSDP2 allocates the all-gather outputs on its all-gather stream. Reserved = the compute
+    stream's largest moment plus fragmentation, plus the all-gather stream's buffers. Where FSDP2 also allocates
+    the sharded gradients on its reduce-scatter stream (parallel.grads_in_compute_pool off or not applicable), what
+    zero_grad frees stays reserved for the next gradients, out of the activations' reach: the compute stream's
+    moments then exclude the gradients, and every sharded gradient is added. Below the reserved figure, a capped
+    allocator runs but empties its cache and retries, stalling the GPU, each step (8B, no AC, 4 H200s, gradients
+    apart: 74.1 GiB reserved uncapped; capped at 71 GiB, 45% slower). Last, NCCL/cuBLAS workspaces and the CUDA
+    context, outside the allocator.
     Every constant below is an assumption, stated where it is defined.
 The allocator peak was checked against torch.cuda.max_memory_allocated() on one and two H200s (torch 2.11, cuDNN
 attention, fused RMSNorm) for AC none/op/selective/full, grad accumulation, deferred sync and reshard never, tied and
@@ -41,7 +43,8 @@ AC blocks keep no w2 output, which no backward reads (each within 0.2% of the 8B
 compiled loss holds the logits and their param_dtype gradient, no float32 buffers (`fsdp_trainer.loss`). The
 chunked loss and two-block prefetch were checked on two H200s (within 2%). The reserved estimate was checked against
 torch.cuda.max_memory_reserved() of the full 8B on four H200s, compiled and eager, AC none/op/full, micro-batch 1
-and 2, reshard never and keep_gathered: -1% to +4%. Not checked on GPUs: CPU offload, HSDP, float16.
+and 2, reshard never and keep_gathered: -1% to +4% with the gradients apart, -4% to +4% with them in the compute
+pool. Not checked on GPUs: CPU offload, HSDP, float16.
 """
 
 from __future__ import annotations

@@ -271,6 +271,25 @@ H200X4_RESERVED = [
 ]
 
 
+# The same with the gradients in the compute stream's pool, the default (llama3_8b.json, llama3_8b_grads_pool.json).
+H200X4_RESERVED_POOLED = [
+    (["--ac.mode", "none"], 66.656),
+    (["--ac.mode", "op"], 55.678),
+    (["--ac.mode", "full"], 39.613),
+    (["--ac.mode", "op", "--parallel.no_compile"], 65.053),
+    (["--ac.mode", "op", "--train.micro_batch_size", "2"], 81.098),
+    (["--ac.mode", "op", "--parallel.keep_gathered", "32"], 68.314),
+]
+
+
+@pytest.mark.parametrize("flags,measured_gib", H200X4_RESERVED_POOLED)
+def test_predicted_reserved_with_pooled_gradients_matches_h200_measurements(flags, measured_gib):
+    cfg = parse_args(["--model.name", "8b", "--train.seq_len", "8192", "--train.micro_batch_size", "1",
+                      "--parallel.compile", *flags])
+    p = plan(cfg, 4, BIG)
+    assert -0.05 <= p.predicted_reserved_bytes / (measured_gib * GiB) - 1 <= 0.05, p.predicted_reserved_bytes / GiB
+
+
 @pytest.mark.parametrize("flags,measured_gib", H200X4_RESERVED)
 def test_predicted_reserved_matches_h200_measurements(flags, measured_gib):
     """The allocator's reserved peak, not only its allocated one: a cap between the two runs, but slowly."""
