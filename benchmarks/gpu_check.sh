@@ -22,7 +22,8 @@
 #                while it is busy, beside each run's rate (results/.../clocks_llama3_8b.txt): is the step power-bound?
 #   profile      8B per-op AC, eager and compiled: the profiler's per-step breakdown (matmul, attention,
 #                communication and how much of it is exposed, optimizer, idle), and the heaviest kernels of both,
-#                in results/.../profile_llama3_8b.log
+#                in results/.../profile_llama3_8b.log. PROFILE_RUNS="compile:none compile:full" profiles other
+#                COMPILE:AC pairs instead (into profile_llama3_8b_compile-none_compile-full.log)
 #   checkpoint   8B checkpoint save/load, one save after 15 steps then a resume: async_pinned, then sync
 #                (CHECKPOINT_MODES overrides the modes; the disk needs room for one 12 bytes/param checkpoint)
 #   plan         the memory planner against measured peaks over a 1B/8B matrix on 1, 2 and 4 GPUs (those present)
@@ -120,18 +121,25 @@ mean = lambda i: sum(r[i] for r in busy) / max(len(busy), 1)
 print(f"ac {sys.argv[2]}: {len(busy)} GPU samples at >= 90% utilization, mean SM {mean(0):.0f} MHz, mean {mean(1):.0f} W")
 PY
       done ;;
-    profile)  # where each step's GPU time goes, eager and compiled (the trace files stay on the machine)
-      log="$(cd benchmarks && python3 -c "from results import result_dir; print(result_dir($NGPU))")/profile_llama3_8b.log"
-      for compile in no_compile compile; do
+    profile)  # where each step's GPU time goes (the trace files stay on the machine)
+      runs=${PROFILE_RUNS:-no_compile:op compile:op}
+      suffix=$([ -n "${PROFILE_RUNS:-}" ] && echo "_$(echo $runs | tr ' :' '_-')")
+      log="$(cd benchmarks && python3 -c "from results import result_dir; print(result_dir($NGPU))")/profile_llama3_8b$suffix.log"
+      { echo "# $(date -u +%F): PROFILE_RUNS=\"$runs\" bash benchmarks/gpu_check.sh $NGPU profile, on $NGPU x" \
+          "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
+          "torch $(python3 -c 'import torch; print(torch.__version__)')"; } | tee -a "$log"
+      traces=()
+      for run in $runs; do
+        compile=${run%%:*} ac=${run#*:}
         cmd=(python3 -m torch.distributed.run --nproc_per_node="$NGPU" -m fsdp_trainer.train
-          --config configs/llama3_8b.toml --ac.mode op --parallel.$compile --train.steps 14 --train.log_every 7
-          --profile.steps 12:13 --train.output_dir "/tmp/profile_$compile" --checkpoint.interval 0
+          --config configs/llama3_8b.toml --ac.mode "$ac" --parallel.$compile --train.steps 14 --train.log_every 7
+          --profile.steps 12:13 --train.output_dir "/tmp/profile_${compile}_$ac" --checkpoint.interval 0
           --checkpoint.resume none --checkpoint.no_save_final --metrics.no_tensorboard)
         echo "\$ ${cmd[*]}" | tee -a "$log"
         "${cmd[@]}" 2>&1 | grep -E "profile of steps|step 14/" | tee -a "$log"
+        traces+=("/tmp/profile_${compile}_$ac/profile/trace_rank0_steps12-13.json")
       done
-      python3 benchmarks/kernels.py /tmp/profile_{no_compile,compile}/profile/trace_rank0_steps12-13.json --steps 2 \
-        >> "$log" ;;
+      python3 benchmarks/kernels.py "${traces[@]}" --steps 2 >> "$log" ;;
     checkpoint)
       df -h /tmp | tail -1
       python3 benchmarks/checkpoint_io.py --config configs/llama3_8b.toml --nproc "$NGPU" --steps 16 --interval 15 \
