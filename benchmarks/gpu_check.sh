@@ -14,6 +14,8 @@
 #   keep         8B compiled: no AC within a 71 GiB allocator cap (the reference trainer's reserved peak), alone
 #                and keeping the last 8 or 16 blocks gathered (parallel.keep_gathered); per-op and full AC keeping
 #                all 32
+#   card         one GPU, the 8B's shape cut to 8 blocks at seq 8192: eager and compiled per-op AC, compiled no and
+#                full AC. Run with NGPU=1 on each card type, it compares the cards on the same work (H100 against H200)
 #   pool         8B compiled, no/per-op/full AC: the sharded gradients in the compute stream's memory pool (the
 #                default, parallel.grads_in_compute_pool) beside FSDP2's own allocation on its reduce-scatter stream
 #   autotune     8B compiled per-op AC: Inductor's GEMM autotuning, and its coordinate-descent tuning of the fused
@@ -87,6 +89,10 @@ for PART in "$@"; do
         --variant "$(lever "$COMPILED_NONE" "71GiB keep 16" "$cap --parallel.keep_gathered 16")" \
         --variant "$(lever "$COMPILED_OP" "keep 32" "--parallel.keep_gathered 32")" \
         --variant "$(lever "$COMPILED_FULL" "keep 32" "--parallel.keep_gathered 32")" ;;
+    card)
+      throughput --config configs/llama3_8b.toml --steps 24 --log-every 4 --warmup 12 --name llama3_8b_8layers \
+        --variant "$EAGER_OP --model.n_layers 8" --variant "$COMPILED_OP --model.n_layers 8" \
+        --variant "$COMPILED_NONE --model.n_layers 8" --variant "$COMPILED_FULL --model.n_layers 8" ;;
     pool)
       apart="--parallel.no_grads_in_compute_pool"
       throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b_grads_pool \
