@@ -48,6 +48,12 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
 throughput() { python3 benchmarks/throughput.py --nproc "$NGPU" "$@"; }
+results_file() { echo "$(cd benchmarks && python3 -c "from results import result_dir; print(result_dir($NGPU))")/$1"; }
+# The first line of a results file this script writes itself: date, GPUs, torch, and the command that made it.
+results_header() {
+  echo "# $(date -u +%F), $NGPU x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
+    "torch $(python3 -c 'import torch; print(torch.__version__)'): $*"
+}
 EAGER_OP="eager opAC=--ac.mode op --parallel.no_compile"
 COMPILED_OP="compiled opAC=--ac.mode op"
 COMPILED_NONE="compiled noAC=--ac.mode none"
@@ -105,8 +111,8 @@ for PART in "$@"; do
         --variant "$(env_lever "$COMPILED_OP" "GEMM autotuning" "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1")" \
         --variant "$(env_lever "$COMPILED_OP" "coordinate descent" "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1")" ;;
     clocks)
-      log="$(cd benchmarks && python3 -c "from results import result_dir; print(result_dir($NGPU))")/clocks_llama3_8b.txt"
-      { date -u +%FT%TZ; python3 -c "import torch; print('torch', torch.__version__)"
+      log=$(results_file clocks_llama3_8b.txt)
+      { results_header "bash benchmarks/gpu_check.sh $NGPU clocks"
         nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv; } | tee "$log"
       for ac in none op full; do
         nvidia-smi --query-gpu=clocks.sm,power.draw,utilization.gpu --format=csv,noheader,nounits -lms 100 \
@@ -130,10 +136,8 @@ PY
     profile)  # where each step's GPU time goes (the trace files stay on the machine)
       runs=${PROFILE_RUNS:-no_compile:op compile:op}
       suffix=$([ -n "${PROFILE_RUNS:-}" ] && echo "_$(echo $runs | tr ' :' '_-')")
-      log="$(cd benchmarks && python3 -c "from results import result_dir; print(result_dir($NGPU))")/profile_llama3_8b$suffix.log"
-      { echo "# $(date -u +%F): PROFILE_RUNS=\"$runs\" bash benchmarks/gpu_check.sh $NGPU profile, on $NGPU x" \
-          "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
-          "torch $(python3 -c 'import torch; print(torch.__version__)')"; } | tee -a "$log"
+      log=$(results_file "profile_llama3_8b$suffix.log")
+      results_header "PROFILE_RUNS=\"$runs\" bash benchmarks/gpu_check.sh $NGPU profile" | tee -a "$log"
       traces=()
       for run in $runs; do
         compile=${run%%:*} ac=${run#*:}

@@ -598,8 +598,8 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
     allocated = moments[peak_moment]
     cached = _reserved(s, by_moment, moments, peak_moment)
     reserved = allocated + sum(r.bytes for r in cached)
-    margins = cached + [Row("NCCL + cuBLAS workspaces", WORKSPACE_BYTES, "estimate"),
-                        Row("CUDA context", CUDA_CONTEXT_BYTES, "estimate, outside PyTorch's allocator")]
+    outside = [Row("NCCL + cuBLAS workspaces", WORKSPACE_BYTES, "estimate"),
+               Row("CUDA context", CUDA_CONTEXT_BYTES, "estimate, outside PyTorch's allocator")]
     mesh = f"FSDP over {s.shard}" if s.replicate == 1 else f"HSDP {s.replicate} x {s.shard}"
     setup = (f"model {cfg.model.name}: {s.args.num_params() / 1e9:.2f}B params ({s.args.num_params():,}) | "
              f"{gpus} GPUs, {mesh} | seq {s.seq} x micro-batch {s.micro_batch}, grad accum {s.accum} | "
@@ -612,7 +612,8 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
               "output with per-op AC); the compiled loss makes no float32 copy of the logits"]
              if cfg.parallel.compile else [])
     return Plan(setup, s.args.num_params(), gpus, gpus_per_node, s.replicate, s.shard, capacity, capacity_source,
-                rows + margins, peak_moment, moments, allocated, reserved, allocated + sum(r.bytes for r in margins),
+                rows + cached + outside, peak_moment, moments, allocated, reserved,
+                reserved + sum(r.bytes for r in outside),
                 _host_bytes_per_node(s), _staging_bytes_per_node(cfg, s), _step_seconds(s), notes=notes)
 
 
