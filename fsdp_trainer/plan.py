@@ -43,8 +43,8 @@ AC blocks keep no w2 output, which no backward reads (each within 0.2% of the 8B
 compiled loss holds the logits and their param_dtype gradient, no float32 buffers (`fsdp_trainer.loss`). The
 chunked loss and two-block prefetch were checked on two H200s (within 2%). The reserved estimate was checked against
 torch.cuda.max_memory_reserved() of the full 8B on four H200s, compiled and eager, AC none/op/full, micro-batch 1
-and 2, reshard never and keep_gathered: -1% to +4% with the gradients apart, -4% to +4% with them in the compute
-pool. Not checked on GPUs: CPU offload, HSDP, float16.
+and 2, reshard never and keep_gathered, and the 8.5B with full AC: -1% to +4% with the gradients apart or in the
+compute pool. Not checked on GPUs: CPU offload, HSDP, float16.
 """
 
 from __future__ import annotations
@@ -79,6 +79,10 @@ WORKSPACE_BYTES = 3 * GiB // 4
 2.11, 1.29 GiB was used outside the allocator with one rank and 1.57 GiB with two, context included."""
 FRAGMENTATION = 0.05
 """Fragmentation of the compute stream's memory: reserved beyond what it has allocated at its peak."""
+FRAGMENTATION_AMONG_GRADS = 0.085
+"""The same where that peak is the end of backward and the sharded gradients share the compute stream's pool: they
+are allocated block by block between the activations that backward frees. Measured with full AC on 4 H200s: 8.5% for
+the 8B (3.0 GiB over 35.2 allocated) and 8.3% for the 8.5B, against 5% with the gradients apart."""
 
 # The throughput model only ranks suggestions by their rough cost; these set the compute/communication balance.
 ACHIEVED_FLOPS = 400e12
@@ -635,7 +639,9 @@ def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], moments: dict[str
     if compute_moment != peak_moment and compute[compute_moment] > compute[peak_moment]:
         rows.append(Row(f"compute stream's peak at {compute_moment}", compute[compute_moment] - compute[peak_moment],
                         "beyond its use at this moment"))
-    rows.append(Row(f"allocator fragmentation ({FRAGMENTATION:.0%})", int(FRAGMENTATION * compute[compute_moment]),
+    fraction = (FRAGMENTATION_AMONG_GRADS if s.pooled_grads and compute_moment == "end of backward"
+                else FRAGMENTATION)
+    rows.append(Row(f"allocator fragmentation ({fraction:.1%})", int(fraction * compute[compute_moment]),
                     "of the compute stream's peak"))
     return rows
 

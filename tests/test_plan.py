@@ -256,8 +256,9 @@ def test_predicted_peak_matches_h200_measurements(ranks, preset, layers, seq, mi
 
 # torch.cuda.max_memory_reserved() of the full 8B (seq 8192) on 4 H200s, uncapped, compiled unless noted, with the
 # gradients in the compute stream's pool, the default (benchmarks/results/2026-11-26-H200x4: llama3_8b.json,
-# llama3_8b_grads_pool.json). The full-AC run is the one under-predicted (see benchmarks/README.md).
+# llama3_8b_grads_pool.json; the 8.5B: llama_8.5b_capped_47GiB.json).
 H200X4_RESERVED = [
+    (["--ac.mode", "full", "--model.n_layers", "34"], 41.313),
     (["--ac.mode", "none"], 66.656),
     (["--ac.mode", "op"], 55.678),
     (["--ac.mode", "full"], 39.613),
@@ -284,11 +285,12 @@ H200X4_RESERVED_APART = [
 
 @pytest.mark.parametrize("flags,measured_gib", H200X4_RESERVED + H200X4_RESERVED_APART)
 def test_predicted_reserved_matches_h200_measurements(flags, measured_gib):
-    """The allocator's reserved peak, not only its allocated one: a cap between the two runs, but slowly."""
+    """The allocator's reserved peak, not only its allocated one: a cap between the two runs, but slowly. Erring
+    low is the costly side (a plan that fits, then a run that stalls), so it gets the tighter bound."""
     cfg = parse_args(["--model.name", "8b", "--train.seq_len", "8192", "--train.micro_batch_size", "1",
                       "--parallel.compile", *flags])
     p = plan(cfg, 4, BIG)
-    assert -0.05 <= p.predicted_reserved_bytes / (measured_gib * GiB) - 1 <= 0.05, p.predicted_reserved_bytes / GiB
+    assert -0.02 <= p.predicted_reserved_bytes / (measured_gib * GiB) - 1 <= 0.05, p.predicted_reserved_bytes / GiB
 
 
 def test_reserved_holds_every_gradient_shard_and_the_all_gather_buffers_beyond_the_peak():
