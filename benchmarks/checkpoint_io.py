@@ -4,7 +4,7 @@
 
 For each checkpoint.async_mode (and each --write-threads count) it trains `--steps` steps saving every `--interval`, then resumes once from the
 last checkpoint (load time). Numbers come from the trainer's own log lines; the checkpoints go to --dir (a fast
-local disk with twice the model's 12 bytes/parameter free) and are deleted afterwards.
+local disk with 12 bytes/parameter free for each checkpoint kept) and are deleted afterwards.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks, in parts that each fit one 10-minute call on the lent GPU machine (or run on any CUDA host):
+# The GPU checks, in parts of under 10 minutes each on 4 H200s, for any CUDA host:
 #   bash benchmarks/gpu_check.sh NGPU PART [PART ...]
 # PART:
 #   tests        GPU-marked tests and the SDPA backends
@@ -29,19 +29,21 @@
 #   checkpoint   8B checkpoint save/load, one save after 15 steps then a resume: async_pinned, then sync
 #                (CHECKPOINT_MODES overrides the modes; the disk needs room for one 12 bytes/param checkpoint)
 #   plan         the memory planner against measured peaks over a 1B/8B matrix on 1, 2 and 4 GPUs (those present)
-#   capped       the 8.5B model that OOMs under DDP on 47.4 GiB cards: its plan, then training capped at 47.4 GiB
-# Tables go to stdout; JSON (and PNG) to benchmarks/results/<date>-<gpu>x<count>/ (to $OUT/<date>-<gpu>x<count>/ when set).
+#   capped       the 8.5B model that OOMs under DDP on 47.4 GiB cards: its plan, then training it uncapped and
+#                capped at 47.4 GiB (same speed and no allocator retries when the plan's "fits" holds)
+# Tables go to stdout; JSON (and PNG) to benchmarks/results/<date>-<gpu>x<count>/. With BENCH_RESULTS_DIR=DIR they go to
+# DIR/<date>-<gpu>x<count>/ instead, with this script's log beside them, so a run stopped at a time limit keeps both.
 set -uo pipefail
 NGPU=${1:?usage: gpu_check.sh NGPU PART [PART ...]}
 shift
 [ $# -gt 0 ] || { echo "usage: gpu_check.sh NGPU PART [PART ...]"; exit 2; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-if [ -n "${OUT:-}" ]; then  # write results and the log straight into $OUT, so a run cut off at its limit keeps them
-  rm -rf benchmarks/results && ln -s "$OUT" benchmarks/results
-  exec > >(tee "$OUT/gpu_check_$(IFS=_; echo "$*").log") 2>&1
+if [ -n "${BENCH_RESULTS_DIR:-}" ]; then
+  mkdir -p "$BENCH_RESULTS_DIR" && export BENCH_RESULTS_DIR
+  exec > >(tee "$BENCH_RESULTS_DIR/gpu_check_$(IFS=_; echo "$*").log") 2>&1
 fi
-if [ -d .whl ]; then  # the lent machine lacks torchdata and tyro: install the carried wheels
+if [ -d .whl ]; then  # for GPU hosts without network access: torchdata, tyro and their dependencies as wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
@@ -162,6 +164,7 @@ PY
       python3 -m fsdp_trainer.plan --config configs/llama3_8b.toml --model.n_layers 34 --ac.mode full \
         --gpus "$NGPU" --gpu-memory 47.4GiB
       throughput --config configs/llama3_8b.toml --steps 30 --name llama_8.5b_capped_47GiB \
+        --variant "8.5B fullAC=--model.n_layers 34 --ac.mode full" \
         --variant "8.5B fullAC 47.4GiB=--model.n_layers 34 --ac.mode full --memory.limit_gib 47.4" ;;
     *) echo "unknown part: $PART"; exit 2 ;;
   esac

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("BENCH_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
+"""benchmarks/results/, or the folder BENCH_RESULTS_DIR names."""
 
 
 def gpu_name() -> str:
@@ -17,7 +19,7 @@ def gpu_name() -> str:
 
 
 def result_dir(count: int) -> Path:
-    """benchmarks/results/<YYYY-MM-DD>-<gpu>x<count>/"""
+    """<RESULTS>/<YYYY-MM-DD>-<gpu>x<count>/"""
     gpu = gpu_name().replace("NVIDIA ", "").replace(" ", "-")
     folder = RESULTS / f"{datetime.date.today().isoformat()}-{gpu}x{count}"
     folder.mkdir(parents=True, exist_ok=True)

@@ -2,9 +2,9 @@
 forward+backward, optimizer; exposed communication comes from `--profile.steps`) for named variants of a config.
 
     python benchmarks/throughput.py --config configs/llama3_8b.toml --nproc 4 --steps 30 \\
-        --variant "eager op-AC=--ac.mode op" \\
-        --variant "compiled op-AC=--ac.mode op --parallel.compile" \\
-        --variant "compiled op-AC, 16 NCCL CTAs=NCCL_MAX_CTAS=16 --ac.mode op --parallel.compile"
+        --variant "eager op-AC=--ac.mode op --parallel.no_compile" \\
+        --variant "compiled op-AC=--ac.mode op" \\
+        --variant "compiled op-AC, 16 NCCL CTAs=NCCL_MAX_CTAS=16 --ac.mode op"
 
 A variant's flags may start with environment assignments (NAME=value), set for that run only: NCCL and CUDA
 allocator settings are levers too.

@@ -136,13 +136,14 @@ class ParallelConfig:
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype gradients are reduce-scattered in."""
     reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """Free each block's gathered parameters after forward: default = every block but the last (whose backward
-    starts at once), always, or never (faster, more memory)."""
+    """Free each module's gathered parameters after forward: default = all but the last to run (the last block, or
+    the final norm and output projection where they are sharded apart from the embedding), whose backward starts at
+    once; always; or never (faster, more memory)."""
     keep_gathered: int = 0
     """With reshard_after_forward=default, also keep the last N blocks' gathered parameters from forward through
     their backward: per block, one all-gather and its copies fewer per step, for one block's parameters in
     param_dtype more at the peak (Llama 3 8B: 0.41 GiB a block). On 4 H200s, all 32 blocks of the 8B made compiled
-    per-op AC 2.3% faster for 12.6 GiB more; `python -m fsdp_trainer.plan` gives the memory for any N."""
+    per-op AC 1.9-2.3% faster (two sweeps) for 12.6 GiB more; `python -m fsdp_trainer.plan` gives the memory for any N."""
     prefetch: int = 1
     """Blocks all-gathered ahead of the running one, in forward and backward. 1 is FSDP2's own schedule; 2 issues
     each all-gather a block earlier, which helps when the CPU cannot run far enough ahead of the GPU, for one more
