@@ -7,7 +7,8 @@ Runbook:
     # ... on another number of GPUs or another mesh: DCP reshards; the data continue at the saved sample count
     torchrun --nproc_per_node=4 -m fsdp_trainer.train --config configs/llama3_8b.toml --train.grad_accum_steps 2
     # preempt: SIGTERM or SIGUSR1 to the training processes (every rank, or just one: they agree) finishes the
-    # step, saves, waits for the save and exits 0; a second signal exits at once. Signal the ranks, not torchrun:
+    # step, saves, waits for the save and exits 0 (during start-up: exits 0 before the first step, having nothing
+    # new to save); a second signal exits at once. Signal the ranks, not torchrun:
     # torchrun dies of SIGUSR1, and passes SIGTERM on but kills the ranks 30 s later, saved or not. E.g. on each
     # node `pkill -USR1 -f fsdp_trainer.train` (a Slurm batch script can trap --signal=B:USR1@300 to run it).
     python -m fsdp_trainer.checkpoint list outputs/checkpoints
@@ -19,7 +20,8 @@ Layout of <checkpoint.dir>/step_00000200/:
     __<rank>_<n>.distcp  each rank's shards of the model and optimizer state, and its RNG states
     config.toml          the resolved config of the run that saved it (export reads the model shape from it)
     trainer_state.json   written last, by rank 0, once DCP finished: its presence marks the checkpoint complete.
-                         Holds step, consumed_samples, tokens_seen, LR-scheduler and grad-scaler state, world size.
+                         Holds step, consumed_samples, tokens_seen, skipped_steps (non-finite), LR-scheduler and
+                         grad-scaler state, world size.
 
 Changing the global batch (ranks, micro-batch, accumulation) on resume is allowed: the first new step starts at
 the saved consumed_samples, so no sample is skipped or repeated.
@@ -31,6 +33,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import random
 import re
@@ -60,11 +63,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fsdp_trainer.config import Config, ConfigError, load_toml, mesh_shape, to_toml
 from fsdp_trainer.data import samples_per_step
 from fsdp_trainer.distributed import DistInfo, logger
+from fsdp_trainer.faults import Watchdog
 from fsdp_trainer.models.llama import ModelArgs, model_args_from_config
 
 MARKER = "trainer_state.json"
 CONFIG = "config.toml"
 FORMAT = 1
+# What resume and `list` read from trainer_state.json; a marker without one of them is not a usable checkpoint.
+_REQUIRED = ("step", "consumed_samples", "tokens_seen", "world_size", "mesh", "global_batch", "scheduler", "saved_at")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # DCP's CheckpointException derives from BaseException, so `except Exception` would let it through.
 _ERRORS = (Exception, CheckpointException)
@@ -84,6 +90,7 @@ class Progress:
     step: int = 0
     consumed_samples: int = 0
     tokens_seen: int = 0
+    skipped_steps: int = 0  # non-finite steps never applied, as of the last save or resume
 
     def advance(self, samples: int, seq_len: int) -> None:
         """Count one finished optimizer step of `samples` samples of `seq_len` tokens."""
@@ -105,7 +112,7 @@ def read_trainer_state(path: Path) -> dict:
 
 
 def incomplete_reason(path: Path) -> Optional[str]:
-    """Why `path` is not a complete checkpoint, or None if it is one."""
+    """Why `path` is not a complete checkpoint, to follow "it" (it has no .metadata...), or None if it is one."""
     path = Path(path)
     if not path.is_dir():
         return "does not exist" if not path.exists() else "is not a folder"
@@ -115,10 +122,14 @@ def incomplete_reason(path: Path) -> Optional[str]:
         return f"has no {MARKER}: the save was interrupted before rank 0 committed it"
     try:
         state = read_trainer_state(path)
-        if not isinstance(state, dict) or state.get("format") != FORMAT:
-            return f"its {MARKER} is not format {FORMAT} (another version of fsdp_trainer?)"
     except (OSError, ValueError) as err:
-        return f"its {MARKER} is unreadable ({err})"
+        return f"has an unreadable {MARKER} ({err})"
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        return f"has a {MARKER} that is not format {FORMAT} (another version of fsdp_trainer?)"
+    missing = [key for key in _REQUIRED if key not in state]
+    if missing:
+        return (f"has a {MARKER} without {', '.join(missing)} (edited, or written by another version of "
+                "fsdp_trainer?)")
     return None
 
 
@@ -200,6 +211,17 @@ def read_metadata(path: Path) -> Metadata:
                               f"the checkpoint is corrupt; {_WHAT_TO_DO}") from None
 
 
+def _load_dcp(state: dict, path: Path, group: Optional[dist.ProcessGroup], fix: str) -> None:
+    """Fill `state` in place from the checkpoint at `path`, resharded by DCP; a CheckpointError naming the folder
+    and `fix` if a file cannot be read."""
+    try:
+        dcp.load(state, checkpoint_id=str(path), process_group=group)
+    except _ERRORS as err:  # DCP gathers every rank's read errors and raises them on all ranks
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"checkpoint {path} could not be read ({first}): a file is corrupt or truncated; "
+                              f"{fix}") from err
+
+
 def tensor_shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
     """Flattened key (as DCP names it) -> global shape of every tensor reachable through nested dicts."""
     shapes = {}
@@ -242,13 +264,14 @@ def check_shapes(path: Path, metadata: Metadata, expected: dict[str, tuple[int, 
 
 # ------------------------------------------------------------------------------------------------ RNG state
 
-def _bytes_tensor(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
-
-
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    """This process's RNG states as tensors (DCP stores tensors per rank; Python's state goes as JSON bytes)."""
-    state = {"python": _bytes_tensor(json.dumps(random.getstate())), "cpu": torch.get_rng_state()}
+    """This process's RNG states as tensors (DCP stores tensors per rank). Each has a fixed size, since async_pinned
+    copies them into host buffers sized at the first save: Python's is its version and 625 words as int64, and
+    the cached second Gaussian as float64 (NaN for none)."""
+    version, internal, gauss = random.getstate()
+    state = {"python": torch.tensor([version, *internal], dtype=torch.int64),
+             "python_gauss": torch.tensor([math.nan if gauss is None else gauss], dtype=torch.float64),
+             "cpu": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -256,7 +279,11 @@ def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
 
 def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
     """Restore what rng_state() returned (a CUDA state only when both sides have one)."""
-    version, internal, gauss = json.loads(state["python"].numpy().tobytes().decode())
+    if state["python"].dtype == torch.uint8:  # saved by an older fsdp_trainer: JSON text
+        version, internal, gauss = json.loads(state["python"].numpy().tobytes().decode())
+    else:
+        (version, *internal), gauss = state["python"].tolist(), state["python_gauss"].item()
+        gauss = None if math.isnan(gauss) else gauss
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and device.type == "cuda":
@@ -264,9 +291,11 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
 
 
 def _rng_placeholders(metadata: Metadata, key: str, device: torch.device) -> dict[str, torch.Tensor]:
-    entries = metadata.state_dict_metadata
-    names = ["python", "cpu"] + (["cuda"] if device.type == "cuda" and f"rng.{key}.cuda" in entries else [])
-    return {n: torch.empty(entries[f"rng.{key}.{n}"].size, dtype=torch.uint8) for n in names}
+    """Empty tensors for the RNG states saved under rng.<key>, shaped and typed as saved."""
+    prefix, entries = f"rng.{key}.", metadata.state_dict_metadata
+    names = [k.removeprefix(prefix) for k in entries if k.startswith(prefix)]
+    return {n: torch.empty(entries[prefix + n].size, dtype=entries[prefix + n].properties.dtype) for n in names
+            if n != "cuda" or device.type == "cuda"}
 
 
 # ----------------------------------------------------------------------------------------- preemption and votes
@@ -433,20 +462,22 @@ def _test_crash(point: str, step: int) -> None:
 class Checkpointer:
     """Save, resume and preemption for one run. Every rank makes the same calls in the same order:
 
-        ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler)
+        ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, signals)
         progress = ckpt.restore()              # resume, or init_from weights, or fresh
-        with ckpt.stop_signals():
+        with ckpt.training(watchdog, before_save=guard.check):
             while progress.step < steps:
                 train_step(...); progress.advance(global_batch, seq_len)
                 if ckpt.after_step(progress):  # saves when due; True once the ranks agreed to stop
                     break
             ckpt.finish(progress)              # the final save, waited for
+
+    `signals` are the process's StopSignals, installed by the caller (train.main does so first thing); without
+    them, no signal stops the run.
     """
 
     def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler, scaler=None, before_save: Callable[[], object] = lambda: None):
+                 scheduler, scaler=None, signals: Optional[StopSignals] = None):
         self.cfg, self.info = cfg, info
-        self.before_save = before_save  # raises to veto a save (the trainer's non-finite check)
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.root = Path(cfg.checkpoint.dir or Path(cfg.train.output_dir) / "checkpoints")
         self.mode = cfg.checkpoint.async_mode
@@ -457,7 +488,10 @@ class Checkpointer:
         timeout = datetime.timedelta(seconds=cfg.dist.init_timeout_s)
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.votes = Votes(dist.new_group(backend="gloo", timeout=timeout))
-        self.signals = StopSignals(info.rank)
+        self.signals = signals or StopSignals(info.rank)
+        # What the loop's saves call: training() sets both.
+        self.before_save: Callable[[], int] = lambda: 0
+        self._paused: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self._stager = ReusedBufferStager(info.device) if self.mode == "async_pinned" else None
         self.stopped = False
         self._pending: Optional[_Save] = None
@@ -470,18 +504,27 @@ class Checkpointer:
     def restore(self) -> Progress:
         """Resume from a checkpoint (checkpoint.resume), else load checkpoint.init_from weights, else start
         fresh; logs which. Raises CheckpointError, on every rank, for a checkpoint that cannot be used. A
-        checkpoint at or past train.steps is only checked, not loaded: there is nothing left to train."""
+        checkpoint at or past train.steps is only checked, not loaded: there is nothing left to train.
+        Exits 0 on every rank if a stop signal reached any of them during start-up: nothing new is trained, so
+        nothing needs saving, and the time a preemption grants is better spent exiting than compiling."""
         path = self._agree(self._choose_resume)
         c = self.cfg.checkpoint
         if path is not None:
             if c.init_from:
                 logger.info(f"checkpoint.init_from={c.init_from} ignored: resuming from {path}")
-            return self._load(Path(path))
-        self._saved_step = 0  # nothing to save before the first step
-        if c.init_from:
-            load_weights(self.model, c.init_from, model_args_from_config(self.cfg.model), self.group)
-            logger.info(f"initialized the model from {c.init_from}; fresh optimizer, step 0")
-        return Progress()
+            progress = self._load(Path(path))
+        else:
+            self._saved_step = 0  # nothing to save before the first step
+            if c.init_from:
+                load_weights(self.model, c.init_from, model_args_from_config(self.cfg.model), self.group)
+                logger.info(f"initialized the model from {c.init_from}; fresh optimizer, step 0")
+            progress = Progress()
+        self.votes.start(stop=self.signals.received is not None, save=False)
+        if self.votes.result()[0]:
+            logger.info(f"stopped during start-up, at step {progress.step}, on a stop signal; nothing new to save: "
+                        "run the same command to resume")
+            raise SystemExit(0)
+        return progress
 
     def _agree(self, decide: Callable[[], Optional[str]]) -> Optional[str]:
         """Run decide() on rank 0 and hand its answer, or its error, to every rank: file listings on a shared
@@ -527,7 +570,9 @@ class Checkpointer:
         check_shapes(path, metadata, tensor_shapes({"model": model_sd, "optim": optim_sd}), "model.",
                      "Resume with the model settings it was saved with, or start a new run with --checkpoint.resume "
                      "none and another --checkpoint.dir.")
-        progress = Progress(state["step"], state["consumed_samples"], state["tokens_seen"])
+        # Checkpoints saved before skipped steps were counted in them have no count: none is the best guess.
+        progress = Progress(state["step"], state["consumed_samples"], state["tokens_seen"],
+                            state.get("skipped_steps", 0))
         self._saved_step = progress.step
         if progress.step >= self.cfg.train.steps:
             # The run is over: reading every tensor of a large model only to stop would take minutes.
@@ -552,12 +597,7 @@ class Checkpointer:
         key = f"rank{self.info.rank}" if saved_world_size == self.info.world_size else "rank0"
         target = {"model": model_sd, "optim": optim_sd,
                   "rng": {key: _rng_placeholders(metadata, key, self.info.device)}}
-        try:
-            dcp.load(target, checkpoint_id=str(path), process_group=self.group)
-        except _ERRORS as err:  # DCP gathers every rank's read errors and raises them on all ranks
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise CheckpointError(f"checkpoint {path} could not be read ({first}): a file is corrupt or truncated; "
-                                  f"{_WHAT_TO_DO}") from err
+        _load_dcp(target, path, self.group, _WHAT_TO_DO)
         return target["rng"][key]
 
     def _log_resume(self, path: Path, state: dict, progress: Progress) -> None:
@@ -578,17 +618,20 @@ class Checkpointer:
 
     # -- during training ---------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def stop_signals(self) -> Iterator[None]:
-        """SIGTERM/SIGUSR1 handled inside (see StopSignals); the previous handlers back afterwards. If training
-        fails inside, a save begun before the failure still counts once it completes."""
-        self.signals.install()
+    def training(self, watchdog: Optional[Watchdog] = None, before_save: Callable[[], int] = lambda: 0):
+        """Around the training loop. Each save calls before_save first, the trainer's non-finite check: it raises
+        to veto the save, and returns the run's count of skipped steps, which the checkpoint keeps. The watchdog
+        is paused while a save blocks training, and only then: a rank that waits for the stop/save vote is
+        watched, so that a peer's hang is reported by it too. If training fails inside, a save begun before the
+        failure still counts once it completes."""
+        self.before_save = before_save
+        self._paused = watchdog.paused if watchdog is not None else contextlib.nullcontext
         try:
             yield
         except BaseException:
             self._salvage()
             raise
         finally:
-            self.signals.restore()
             if self._stager is not None and self._pending is None:
                 self._stager.close()
 
@@ -597,7 +640,8 @@ class Checkpointer:
             return
         step = self._pending.step
         try:
-            self._wait()
+            with self._paused():
+                self._wait()
         except BaseException as err:  # the failure that brought us here may have taken the save down too
             logger.warning(f"the save of step {step} did not complete: {err}")
 
@@ -608,7 +652,8 @@ class Checkpointer:
         if self._stager is not None and not self._stager.allocated and self._saves_planned():
             # From the first step on, AdamW's state exists and the state's shapes are final. Pinning its host
             # copy now keeps that cost out of the first save, which may be a preemption's, with a grace period.
-            self._stager.allocate(self._state())
+            with self._paused():
+                self._stager.allocate(self._state())
         stop, save_due = self.votes.result()
         if stop:
             self.stopped = True
@@ -625,11 +670,12 @@ class Checkpointer:
         """The run's last save (unless this step is saved already, or checkpoint.save_final is off and no stop
         was asked for), and the wait until every save is complete."""
         self.votes.result()  # collect the vote in flight: no collective may be left open at shutdown
-        if progress.step != self._saved_step and (self.stopped or self.cfg.checkpoint.save_final):
-            self.save(progress)
-        self._wait()
-        self._join_deleter()
-        dist.barrier(group=self.group)  # no rank exits before rank 0 has committed
+        with self._paused():
+            if progress.step != self._saved_step and (self.stopped or self.cfg.checkpoint.save_final):
+                self.save(progress)
+            self._wait()
+            self._join_deleter()
+            dist.barrier(group=self.group)  # no rank exits before rank 0 has committed
         if self.stopped:
             logger.info(f"stopped at step {progress.step} on a stop signal; the checkpoint is complete: run the "
                         "same command to resume")
@@ -637,21 +683,24 @@ class Checkpointer:
     def save(self, progress: Progress) -> None:
         """Save a checkpoint of this step: sync, or async (training waits only while the state is copied to host
         memory). Rank 0 commits it once complete, at a later step's after_step or at finish()."""
-        self.before_save()
-        start = time.perf_counter()
-        waited = self._wait()  # one save at a time: its staging buffers get reused, and commits stay in order
-        begun = time.perf_counter()
-        path = step_dir(self.root, progress.step)
-        self._make_room(path)
-        future = self._write(path)
-        save = _Save(progress.step, path, future, self._trainer_state(progress), begun, time.perf_counter() - start)
-        future.add_done_callback(lambda _: setattr(save, "finished", time.perf_counter()))
-        self._pending, self._saved_step, self._last_save = save, progress.step, time.monotonic()
-        wait_note = f" (of which {waited:.2f} s waiting for the previous save)" if waited > 0.01 else ""
-        logger.info(f"checkpoint step {progress.step} ({self.mode}): training blocked {save.blocked:.2f} s{wait_note}")
-        _test_crash("staged", progress.step)
-        if self.mode == "none":
-            self._wait()
+        with self._paused():
+            progress.skipped_steps = self.before_save()
+            start = time.perf_counter()
+            waited = self._wait()  # one save at a time: its staging buffers get reused, and commits stay in order
+            begun = time.perf_counter()
+            path = step_dir(self.root, progress.step)
+            self._make_room(path)
+            future = self._write(path)
+            save = _Save(progress.step, path, future, self._trainer_state(progress), begun,
+                         time.perf_counter() - start)
+            future.add_done_callback(lambda _: setattr(save, "finished", time.perf_counter()))
+            self._pending, self._saved_step, self._last_save = save, progress.step, time.monotonic()
+            wait_note = f" (of which {waited:.2f} s waiting for the previous save)" if waited > 0.01 else ""
+            logger.info(f"checkpoint step {progress.step} ({self.mode}): training blocked {save.blocked:.2f} s"
+                        f"{wait_note}")
+            _test_crash("staged", progress.step)
+            if self.mode == "none":
+                self._wait()
 
     def _saves_planned(self) -> bool:
         """Whether this run saves other than on a stop signal."""
@@ -694,7 +743,8 @@ class Checkpointer:
 
     def _trainer_state(self, progress: Progress) -> dict:
         return {"format": FORMAT, "step": progress.step, "consumed_samples": progress.consumed_samples,
-                "tokens_seen": progress.tokens_seen, "world_size": self.info.world_size,
+                "tokens_seen": progress.tokens_seen, "skipped_steps": progress.skipped_steps,
+                "world_size": self.info.world_size,
                 "mesh": dict(zip(("dp_replicate", "dp_shard"), mesh_shape(self.cfg.parallel, self.info.world_size))),
                 "global_batch": self._global_batch(), "seq_len": self.cfg.train.seq_len,
                 "scheduler": self.scheduler.state_dict(),
@@ -703,7 +753,8 @@ class Checkpointer:
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending.future.done():
-            self._commit()
+            with self._paused():  # the commit may wait for retention's previous deletions
+                self._commit()
 
     def _wait(self) -> float:
         """Wait for the save in flight, if any, and commit it; returns the seconds waited."""
@@ -733,17 +784,24 @@ class Checkpointer:
         self._retain()
 
     def _retain(self) -> None:
-        """Delete complete checkpoints beyond checkpoint.keep, in the background: removing a large model's files
-        takes seconds that training need not wait for."""
-        old = [path for _, path in complete_checkpoints(self.root)[:-self.cfg.checkpoint.keep]]
-        for path in old:
+        """Delete complete checkpoints beyond checkpoint.keep, and incomplete ones older than the newest complete
+        one, in the background: removing a large model's files takes seconds that training need not wait for.
+        Called once a save is committed, when no other is in flight."""
+        self._join_deleter()  # what it is deleting would otherwise be listed below as incomplete
+        found = [(step, path, incomplete_reason(path) is None) for step, path in list_checkpoints(self.root)]
+        complete = [(step, path) for step, path, ok in found if ok]
+        keep = self.cfg.checkpoint.keep
+        old = [(path, f"checkpoint.keep={keep}") for _, path in complete[:-keep]]
+        for path, _ in old:
             # The marker goes first, at once: resume never picks these again, and a crash while deleting leaves
             # incomplete folders, never damaged complete ones.
             (path / MARKER).unlink()
+        # What a crash left: a save cut short, or a deletion above. A newer incomplete folder is left to the save of
+        # its step, which clears it first.
+        old += [(path, "incomplete, older than the newest complete checkpoint") for step, path, ok in found
+                if not ok and step < complete[-1][0]]
         if old:
-            self._join_deleter()
-            self._deleter = threading.Thread(target=_delete, args=(old, self.cfg.checkpoint.keep),
-                                             name="checkpoint-retention")
+            self._deleter = threading.Thread(target=_delete, args=(old,), name="checkpoint-retention")
             self._deleter.start()
 
     def _join_deleter(self) -> None:
@@ -752,10 +810,10 @@ class Checkpointer:
             self._deleter = None
 
 
-def _delete(paths: list[Path], keep: int) -> None:
-    for path in paths:
+def _delete(paths: list[tuple[Path, str]]) -> None:
+    for path, why in paths:
         shutil.rmtree(path)
-        logger.info(f"deleted {path} (checkpoint.keep={keep})")
+        logger.info(f"deleted {path} ({why})")
 
 
 # ------------------------------------------------------------------------------------- weights in and out
@@ -865,11 +923,26 @@ def export(path: str | Path, out_dir: str | Path, dtype: Optional[torch.dtype] =
     return out
 
 
+def _read_hf_json(path: Path, key: Optional[str] = None) -> dict:
+    """A JSON object of a Hugging Face model folder (its `key` entry, if given), or a CheckpointError naming the
+    file."""
+    try:
+        value = json.loads(path.read_text())
+        if key is not None:
+            value = value[key]
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a JSON object, found {type(value).__name__}")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"hf:{path.parent}: {path.name} is unreadable or not as Hugging Face writes it "
+                              f"({type(err).__name__}: {err}); download or export the model again") from None
+    return value
+
+
 def _hf_tensor_files(folder: Path) -> dict[str, Path]:
     """HF tensor name -> the .safetensors file holding it (one file, or shards listed by an index)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        return {name: folder / file for name, file in _read_hf_json(index, "weight_map").items()}
     single = folder / "model.safetensors"
     if not single.is_file():
         raise CheckpointError(f"hf:{folder}: has neither model.safetensors nor model.safetensors.index.json")
@@ -879,7 +952,7 @@ def _hf_tensor_files(folder: Path) -> dict[str, Path]:
 
 
 def _check_hf_config(folder: Path, args: ModelArgs) -> None:
-    config = json.loads((folder / "config.json").read_text())
+    config = _read_hf_json(folder / "config.json")
     fields = {"hidden_size": ("dim", args.dim), "num_hidden_layers": ("n_layers", args.n_layers),
               "num_attention_heads": ("n_heads", args.n_heads),
               "num_key_value_heads": ("n_kv_heads", args.n_kv_heads),
@@ -954,13 +1027,16 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
     model_sd = get_model_state_dict(model)
     check_shapes(path, read_metadata(path), tensor_shapes({"model": model_sd}), "model.",
                  "Set the --model.* flags it was saved with.")
-    dcp.load({"model": model_sd}, checkpoint_id=str(path), process_group=group)
+    _load_dcp({"model": model_sd}, path, group, "give --checkpoint.init_from an earlier complete checkpoint")
     set_model_state_dict(model, model_sd)
 
 
 # ----------------------------------------------------------------------------------------------------- CLI
 
 def _list(root: str) -> None:
+    if not Path(root).is_dir():
+        raise CheckpointError(f"{root}: no such folder; give a checkpoint folder (<train.output_dir>/checkpoints "
+                              "unless checkpoint.dir says otherwise)")
     for step, path in list_checkpoints(Path(root)):
         reason = incomplete_reason(path)
         if reason is None:

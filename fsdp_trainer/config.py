@@ -81,7 +81,8 @@ class TrainConfig:
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step. Global batch = micro_batch_size x grad_accum_steps x data-parallel ranks."""
     seed: int = 0
-    """Seed of weight initialization (identical for any world size) and of dropout-free training RNG."""
+    """Seed of weight initialization (the same weights for any world size) and of torch's global RNG on every rank
+    (the Llama model draws nothing from it; checkpoints save and restore its state per rank)."""
     output_dir: str = "outputs"
     """Logs, TensorBoard events, the resolved config and checkpoints go here."""
     log_every: int = 10
@@ -400,7 +401,8 @@ def resolve_param_dtype(name: str, device_type: str) -> str:
     if device_type != "cuda":
         return "float32"
     import torch
-    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    # Without the flag, V100 and T4 report bfloat16 as supported: emulated, and slower than float16.
+    return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
 
 
 def grads_in_compute_pool(parallel: ParallelConfig, grad_accum_steps: int) -> bool:
@@ -430,8 +432,18 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
     o = cfg.optim
     if o.lr <= 0 or not 0 <= o.min_lr <= o.lr:
         raise ConfigError(f"optim.lr={o.lr}, optim.min_lr={o.min_lr}: need 0 <= min_lr <= lr and lr > 0")
-    if o.warmup_steps < 0 or o.grad_clip < 0:
-        raise ConfigError("optim.warmup_steps and optim.grad_clip must be >= 0")
+    if o.warmup_steps < 0 or o.grad_clip < 0 or o.weight_decay < 0 or o.eps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps}, optim.grad_clip={o.grad_clip}, optim.weight_decay="
+                          f"{o.weight_decay}, optim.eps={o.eps}: each must be >= 0")
+    if not all(0 <= beta < 1 for beta in o.betas):
+        raise ConfigError(f"optim.betas={tuple(o.betas)}: each must be in [0, 1)")
+    if t.max_skipped_steps < 0:
+        raise ConfigError(f"train.max_skipped_steps={t.max_skipped_steps}: must be >= 0")
+    if cfg.memory.limit_gib is not None and cfg.memory.limit_gib <= 0:
+        raise ConfigError(f"memory.limit_gib={cfg.memory.limit_gib}: must be > 0 GiB (or unset for the whole GPU)")
+    if cfg.dist.timeout_s <= 0 or cfg.dist.init_timeout_s <= 0:
+        raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s}, dist.init_timeout_s={cfg.dist.init_timeout_s}: "
+                          "both must be > 0 seconds")
     for name in ("loss_chunk_tokens", "gc_every"):
         if getattr(t, name) < 0:
             raise ConfigError(f"train.{name}={getattr(t, name)}: must be >= 0 (0 turns it off)")
@@ -456,9 +468,12 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
     if cfg.profile.steps:
         from fsdp_trainer.profiling import parse_steps
         try:
-            parse_steps(cfg.profile.steps)
+            first, last = parse_steps(cfg.profile.steps)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        if last > t.steps:
+            raise ConfigError(f"profile.steps={cfg.profile.steps} ends after train.steps={t.steps}, so the trace "
+                              "would never be written; profile earlier steps or train longer")
     if device_type != "cuda":
         gpu_only = {"parallel.param_dtype=float16": cfg.parallel.param_dtype == "float16",
                     "parallel.cpu_offload": cfg.parallel.cpu_offload,

@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import logging
+import itertools
 import os
 import signal
 import sys
@@ -292,9 +293,9 @@ class StepSampler(Sampler[list[int]]):
     """This rank's micro-batches of global sample indices, step after step, without end.
 
     A step covers global indices [base, base + G); micro-batch m of rank r is base + m*dp_size*b + r*b + [0, b).
-    state_dict() is {"consumed_samples": base of the first step not yet fully handed out}: the same on every rank
-    and valid for any dp_size or batch size. A loader with workers draws from its sampler ahead of training, so the
-    trainer counts consumed samples itself and passes them to build_dataloader(start_sample=...).
+    The first base is `start_sample`. A loader with workers draws from its sampler ahead of training, so the
+    trainer counts consumed samples itself (the same on every rank, valid for any dp_size or batch size) and a
+    resumed run starts a new sampler there.
     """
 
     def __init__(self, micro_batch_size: int, grad_accum_steps: int, dp_rank: int, dp_size: int,
@@ -303,25 +304,14 @@ class StepSampler(Sampler[list[int]]):
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
         self.micro_batch_size, self.grad_accum_steps = micro_batch_size, grad_accum_steps
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.consumed_samples = start_sample
+        self.start_sample = start_sample
 
     def __iter__(self) -> Iterator[list[int]]:
         b, dp, accum = self.micro_batch_size, self.dp_size, self.grad_accum_steps
-        while True:
-            base = self.consumed_samples
+        for base in itertools.count(self.start_sample, samples_per_step(b, accum, dp)):
             for m in range(accum):
-                if m == accum - 1:
-                    # Counted once the step's last micro-batch is handed out, so a state taken between steps
-                    # already points at the next step.
-                    self.consumed_samples = base + samples_per_step(b, accum, dp)
                 first = base + (m * dp + self.dp_rank) * b
                 yield list(range(first, first + b))
-
-    def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.consumed_samples = int(state["consumed_samples"])
 
 
 def build_dataset(cfg: DataConfig, seq_len: int, vocab_size: int) -> Dataset:

@@ -48,8 +48,11 @@ def setup_logging(rank: int) -> None:
     logger.propagate = False
 
 
-def init(timeout_s: float = 600.0) -> DistInfo:
-    """Start (or join) the default process group: NCCL with one GPU per rank, else gloo on CPU."""
+def init(timeout_s: float = 600.0, cpu_collectives: bool = False) -> DistInfo:
+    """Start (or join) the default process group: NCCL with one GPU per rank, else gloo on CPU.
+
+    `cpu_collectives` adds gloo for CPU tensors beside NCCL (FSDP's CPU offload keeps the gradients in host memory,
+    and the global gradient norm is all-reduced there)."""
     under_launcher = "RANK" in os.environ
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -65,9 +68,9 @@ def init(timeout_s: float = 600.0) -> DistInfo:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         # device_id binds the communicator to this GPU eagerly, so a broken NCCL set-up fails here, not mid-step.
+        backend = "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
         if not dist.is_initialized():
-            dist.init_process_group("nccl", timeout=timeout, device_id=device, **group_args)
-        backend = "nccl"
+            dist.init_process_group(backend, timeout=timeout, device_id=device, **group_args)
     else:
         device = torch.device("cpu")
         if not dist.is_initialized():

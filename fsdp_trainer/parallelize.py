@@ -1,6 +1,6 @@
 """Activation checkpointing, compilation and FSDP2 sharding for any model whose repeated blocks can be named.
 
-Applied in one visible order, as `parallelize()` does:
+Applied in one visible order (as `fsdp_trainer.train.build_model` does for Llama):
     apply_ac -> apply_compile -> apply_fsdp -> init_weights (materialize from meta, then initialize)
 
 AC and compile replace a block's `forward` on the instance instead of wrapping the module, so parameter
@@ -12,11 +12,15 @@ A team's own model:
     apply_ac(model, blocks, mode="op")
     apply_fsdp(model, mesh, block_types=blocks)
     init_weights(model, device, seed=0)
+
+The blocks must be registered (`model.modules()` order) in the order forward runs them, as in nearly every model:
+keep_gathered and prefetch count blocks by it, and it tells which module runs last in forward.
 """
 
 from __future__ import annotations
 
 import functools
+import zlib
 from typing import Iterable, Literal, Sequence
 
 import torch
@@ -28,8 +32,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
-from fsdp_trainer.models.llama import param_generator
 
 ACMode = Literal["none", "full", "selective", "op"]
 ReshardPolicy = Literal["default", "always", "never"]
@@ -52,9 +54,14 @@ def _replace_forward(module: nn.Module, wrap) -> None:
 
 
 # Outputs worth keeping under per-op AC: the matmuls and attention are the expensive ops to recompute;
-# everything else (norms, activations, RoPE, residual adds) is cheap elementwise work.
+# everything else (norms, activations, RoPE, residual adds) is cheap elementwise work. Linear layers with a bias
+# run addmm, batched and hand-written attention bmm/baddbmm.
 _OP_AC_SAVE = {
     torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
@@ -66,22 +73,17 @@ def _op_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _OP_AC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _checkpointed(inner, *args, context_fn=None, **kwargs):
-    if context_fn is None:
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-    return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-
-
 def apply_ac(model: nn.Module, block_types: Sequence[type], mode: ACMode, every: int = 2) -> None:
     """Activation checkpointing per block: full, every `every`-th block (selective), or per-op (op)."""
     if mode == "none":
         return
-    op_context = functools.partial(create_selective_checkpoint_contexts, _op_policy)
+    whole = functools.partial(checkpoint, use_reentrant=False)
+    per_op = functools.partial(whole, context_fn=functools.partial(create_selective_checkpoint_contexts, _op_policy))
     for index, block in enumerate(blocks_of(model, block_types)):
         if mode == "full" or (mode == "selective" and (index + 1) % every == 0):
-            _replace_forward(block, _checkpointed)
+            _replace_forward(block, whole)
         elif mode == "op":
-            _replace_forward(block, functools.partial(_checkpointed, context_fn=op_context))
+            _replace_forward(block, per_op)
 
 
 def apply_compile(model: nn.Module, block_types: Sequence[type]) -> None:
@@ -107,13 +109,23 @@ class ComputePoolReduceScatter(ReduceScatter):
     (HSDP all-reduces it on another stream), float32 reduction into the float32 shards (no cast to a new tensor),
     no CPU offload (no copy to host), and no accumulation into an existing sharded gradient, which adds the output
     on the reduce-scatter stream and drops it at once (`grads_in_compute_pool` in `fsdp_trainer.config` checks
-    all four). `record_stream` would be safe everywhere, but it defers each freed block until the GPU has passed
-    the reduce-scatter stream's work, and the CPU runs a step ahead: measured on 4 H200s, it reserved no less."""
+    all four; `apply_fsdp` refuses the first three, and `allocate` the last, as it happens). `record_stream` would
+    be safe everywhere, but it defers each freed block until the GPU has passed the reduce-scatter stream's work,
+    and the CPU runs a step ahead: measured on 4 H200s, it reserved no less.
 
-    def __init__(self, compute_stream: torch.cuda.Stream):
-        self.compute_stream = compute_stream
+    One instance per FSDP module: `params` are the parameters whose gradients its reduce-scatter makes."""
+
+    def __init__(self, compute_stream: torch.cuda.Stream, params: Sequence[nn.Parameter]):
+        self.compute_stream, self.params = compute_stream, params
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if any(p.grad is not None for p in self.params):
+            raise RuntimeError("grads_in_compute_pool: this reduce-scatter would add into gradients that already "
+                               "exist (a backward per micro-batch with gradient sync on, or zero_grad(set_to_none="
+                               "False)), which is unsafe with the gradients in the compute stream's memory; turn "
+                               "gradient sync off for all but the last micro-batch (set_requires_gradient_sync, "
+                               "parallel.defer_grad_sync), zero_grad(set_to_none=True), or grads_in_compute_pool "
+                               "off")
         stream = torch.cuda.current_stream(device)
         with torch.cuda.stream(self.compute_stream):
             buffer = torch.empty(*size, dtype=dtype, device=device)
@@ -135,13 +147,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     """`fully_shard` each block, then each extra group of modules, then the root.
 
     `groups` are modules outside the blocks that deserve their own all-gather (for Llama: the embedding;
-    the final norm with the output projection), listed in forward order. A 1-D mesh shards; a 2-D
+    the final norm with the output projection). A 1-D mesh shards; a 2-D
     (replicate, shard) mesh gives HSDP. Sharded parameters stay float32 (the optimizer's master weights);
     `param_dtype` is only the dtype they are gathered in. `keep_gathered` blocks, counted back from the last, also
     stay gathered after forward under the default policy. `prefetch` > 1 makes each block all-gather that many
     blocks ahead of itself, in forward and in backward (1 leaves FSDP2's schedule of one ahead).
-    `grads_in_compute_pool` lets the sharded gradients and the activations share memory (CUDA; see
-    `ComputePoolReduceScatter` for when it is safe: the caller vouches for it)."""
+    `grads_in_compute_pool` lets the sharded gradients and the activations share memory (CUDA). It is refused
+    where it would be unsafe (`ComputePoolReduceScatter`): here for a 2-D mesh, CPU offload or a reduction that is
+    not float32; during backward if a reduce-scatter would add into existing gradients."""
     if grads_in_compute_pool and (mesh.ndim != 1 or cpu_offload or reduce_dtype != torch.float32):
         raise ValueError("grads_in_compute_pool needs a 1-D mesh, float32 reduction and no CPU offload: the sharded "
                          "gradients must be the reduce-scatter's output itself")
@@ -150,38 +163,63 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp, offload_policy=offload)
     blocks = blocks_of(model, block_types)
     groups = [list(group) for group in groups]
+    # The unit that runs last in forward runs first in backward: freeing its parameters only to all-gather them
+    # again at once would cost a collective and save no memory at the peak. By registration order: the last
+    # block, or a group registered after it (Llama's final norm and output projection).
+    position = {id(module): index for index, module in enumerate(model.modules())}
+    if any(id(module) not in position for group in groups for module in group):
+        raise ValueError("every module in `groups` must be a submodule of the model being sharded")
+    last = max([blocks[-1], *(group[0] for group in groups)], key=lambda module: position[id(module)])
 
     def reshard(keep: bool) -> bool:
         return {"always": True, "never": False, "default": not keep}[reshard_after_forward]
 
     for index, block in enumerate(blocks):
-        # The module that runs last in forward runs first in backward: freeing its parameters only to
-        # all-gather them again at once would cost a collective and save no memory at the peak.
-        is_last = index == len(blocks) - 1 and not groups
-        shard(block, reshard_after_forward=reshard(is_last or index >= len(blocks) - keep_gathered))
-    for index, group in enumerate(groups):
-        shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard(index == len(groups) - 1))
+        shard(block, reshard_after_forward=reshard(block is last or index >= len(blocks) - keep_gathered))
+    for group in groups:
+        shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard(group[0] is last))
     shard(model)
     if grads_in_compute_pool and mesh.device_type == "cuda":  # one memory pool per device elsewhere
-        comm = ComputePoolReduceScatter(torch.cuda.current_stream())
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_custom_reduce_scatter(comm)
+        compute_stream = torch.cuda.current_stream()
+        for module, params in _params_by_fsdp_module(model).items():
+            module.set_custom_reduce_scatter(ComputePoolReduceScatter(compute_stream, params))
     if prefetch > 1:
         for index, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[index + 1:index + 1 + prefetch])
             block.set_modules_to_backward_prefetch(blocks[max(0, index - prefetch):index][::-1])
 
 
+def _params_by_fsdp_module(model: nn.Module) -> dict[FSDPModule, list[nn.Parameter]]:
+    """Each FSDP module's own parameters: those of its subtree that no FSDP module inside it manages."""
+    owned: dict[FSDPModule, list[nn.Parameter]] = {}
+    claimed: set[int] = set()
+    # Innermost first: model.modules() lists a module before its children, so reversed lists children first.
+    for module in reversed(list(model.modules())):
+        if isinstance(module, FSDPModule):
+            owned[module] = [p for p in module.parameters() if id(p) not in claimed]
+            claimed.update(id(p) for p in owned[module])
+    return owned
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload: bool = False) -> None:
     """Materialize a model built on the meta device and initialize it, identically for any sharding.
 
-    Models with `init_param(name, full_tensor, generator)` (ours) get each parameter filled as a full
-    tensor from a generator seeded by (seed, name), then keep their local shard: the weights do not depend
-    on the world size or mesh. Other models get `reset_parameters()` of every submodule, which is
-    world-size independent only where DTensor's random ops are (CUDA). With `offload` (FSDP's CPU offload)
-    parameters are materialized in host memory and buffers on `device`."""
+    What the model may define, all optional (ours defines all three):
+    - `init_param(name, full_tensor, generator)`: fills each parameter as a full tensor from a generator seeded
+      by (seed, name); each rank keeps its shard, so the weights do not depend on the world size or mesh.
+      Without it, every submodule's `reset_parameters()` runs, world-size independent only where DTensor's
+      random ops are (CUDA).
+    - `init_buffers()`: recomputes the buffers (a RoPE table, say), which materializing leaves unset.
+    - `tie_weights()`: ties shared parameters again after materializing.
+    A parameter or buffer that none of these would fill is an error, raised before anything is allocated. With
+    `offload` (FSDP's CPU offload) parameters are materialized in host memory and buffers on `device`."""
+    unset = _left_unset(model)
+    if unset:
+        raise ValueError(f"init_weights cannot initialize {', '.join(unset[:4])}" + (" ..." if len(unset) > 4 else "")
+                         + ": materialized from meta they would hold garbage, and no reset_parameters() of their "
+                         "module fills them; give the model init_param(name, full_tensor, generator) for parameters "
+                         "and init_buffers() for buffers, or reset_parameters() to their modules")
     torch.manual_seed(seed)
     model.to_empty(device="cpu" if offload else device)
     if offload:
@@ -206,3 +244,20 @@ def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload:
             param.to_local().copy_(local)
         else:
             param.copy_(full)
+
+
+def _left_unset(model: nn.Module) -> list[str]:
+    """Parameters and buffers that init_weights would leave as materialized: uninitialized memory."""
+    unset = []
+    for prefix, module in model.named_modules():
+        if hasattr(module, "reset_parameters"):
+            continue
+        names = [] if hasattr(model, "init_param") else [n for n, _ in module.named_parameters(recurse=False)]
+        names += [] if hasattr(model, "init_buffers") else [n for n, _ in module.named_buffers(recurse=False)]
+        unset += [f"{prefix}.{name}" if prefix else name for name in names]
+    return unset
+
+
+def param_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    """A generator for one parameter: a pure function of (seed, name), never of rank or world size."""
+    return torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))

@@ -5,8 +5,9 @@
     python -m fsdp_trainer.plan --config configs/llama3_8b.toml --gpus 8 --gpu-memory 47.4GiB --ac.mode full
     python -m fsdp_trainer.plan --config configs/llama3_8b.toml --gpus 16 --gpu-memory 80GB --json
 
-Exit status: 0 fits, 1 does not fit (the output lists changes that would), 2 bad arguments. Without --gpus or
---gpu-memory the planner uses this machine's GPUs, or assumes 8 x 80 GiB (and says so) where it has none.
+Exit status: 0 fits (the output lists faster settings that fit too), 1 does not fit (the output lists changes that
+would), 2 bad arguments. Without --gpus or --gpu-memory the planner uses this machine's GPUs, or assumes 8 x 80 GiB
+(and says so) where it has none.
 
 From the trainer, before anything is allocated:
 
@@ -100,6 +101,13 @@ GATHER_COPY_SECONDS_PER_BYTE = 1.3e-3 / GiB
 per step) made a 4 x H200 step 18 ms shorter (benchmarks/README.md, keeping blocks gathered)."""
 OP_AC_RECOMPUTE = 0.05
 """Per-op AC recomputes only elementwise work (norms, RoPE, SiLU, products): ~5% of step time, no matmuls."""
+SAME_SPEED = 0.005
+"""Changes in time per token smaller than this read as "~same speed", and are not offered to a run that fits."""
+OPTION_MARGIN = 0.02
+"""Share of the GPU an option offered to a run that fits (or on top of a change that makes it fit) must leave free.
+The reserved estimate ran up to 1.2% below the measured (8B, full AC, 4 H200s; tests/test_plan.py), and a run
+capped below its reserved memory stalls on allocator retries (45% slower, above): a bad trade for the few percent
+such an option gains."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -158,17 +166,13 @@ def kept_after_forward(groups: Sequence[Group], policy: str, keep_blocks: int = 
 
 
 # -- activations -----------------------------------------------------------------------------------------------------
-def rms_norm_saved_bytes(tokens: int, dim: int, pbytes: int, fused: bool) -> int:
-    """What one RMSNorm saves for backward, its output excluded (the matmul that reads it saves that).
-    Fused kernel (CUDA, `_fused_rms_norm`): the input in param_dtype and the float32 1/rms per token.
-    Composite (CPU): the input upcast to float32 (the input itself when already float32), the float32 normalized
-    input that the weight multiplies, and 1/rms."""
-    if fused:
-        return pbytes * tokens * dim + 4 * tokens
-    return 2 * 4 * tokens * dim + 4 * tokens
+def rms_norm_saved_bytes(tokens: int, dim: int, pbytes: int) -> int:
+    """What one RMSNorm saves for backward, its output excluded (the matmul that reads it saves that): as the fused
+    kernel CUDA runs (`_fused_rms_norm`), the input in param_dtype and the float32 1/rms per token."""
+    return pbytes * tokens * dim + 4 * tokens
 
 
-def block_saved_bytes(args: ModelArgs, tokens: int, pbytes: int, fused_norm: bool = True) -> dict[str, int]:
+def block_saved_bytes(args: ModelArgs, tokens: int, pbytes: int) -> dict[str, int]:
     """Tensors one TransformerBlock saves for backward without AC, for `tokens` = micro_batch x seq_len.
 
     Not saved: RoPE's float32 intermediates (its products save only the cos/sin tables, slices of a buffer that
@@ -178,7 +182,7 @@ def block_saved_bytes(args: ModelArgs, tokens: int, pbytes: int, fused_norm: boo
     flash-style kernel with native GQA (k and v stay n_kv_heads wide; cuDNN on H200s with torch 2.11); the math
     fallback would also save the seq x seq scores."""
     d, h, kv = args.dim, args.ffn_hidden_dim, args.n_kv_heads * args.head_dim
-    norm = rms_norm_saved_bytes(tokens, d, pbytes, fused_norm)
+    norm = rms_norm_saved_bytes(tokens, d, pbytes)
     return {
         "attention_norm: input, 1/rms": norm,
         "wq/wk/wv input (attention_norm output)": pbytes * tokens * d,
@@ -209,14 +213,13 @@ def op_ac_saved_bytes(args: ModelArgs, tokens: int, pbytes: int) -> dict[str, in
     }
 
 
-def block_bytes_by_mode(args: ModelArgs, tokens: int, pbytes: int, fused_norm: bool = True,
-                        compiled: bool = False) -> dict[str, int]:
+def block_bytes_by_mode(args: ModelArgs, tokens: int, pbytes: int, compiled: bool = False) -> dict[str, int]:
     """Bytes one block keeps from its forward to its backward, for each way it can be run. Compiled, Inductor's
     partitioner keeps only what the backward reads. A block without AC then keeps no SiLU output: SiLU is fused
     into its product and recomputed in backward (8B, no AC, 4 H200s: 71.40 GiB measured, 71.27 planned so, 78.27
     as eager). A per-op AC block keeps no w2 output, which eager SAC saves only because it is a matmul's (8B on 2
     H200s: exactly 2.00 GiB, 32 x 8192 x 4096 x 2 bytes, below eager)."""
-    none = sum(block_saved_bytes(args, tokens, pbytes, fused_norm).values())
+    none = sum(block_saved_bytes(args, tokens, pbytes).values())
     op = op_ac_saved_bytes(args, tokens, pbytes)
     return {"none": none - (pbytes * tokens * args.ffn_hidden_dim if compiled else 0),
             "op": sum(op.values()) - (op["w2 output"] if compiled else 0),
@@ -236,21 +239,11 @@ def ids_labels_bytes(tokens: int) -> int:
     return 2 * 8 * tokens
 
 
-def head_saved_bytes(args: ModelArgs, tokens: int, pbytes: int, fused_norm: bool = True) -> int:
+def head_saved_bytes(args: ModelArgs, tokens: int, pbytes: int) -> int:
     """Saved outside the blocks, logits excluded: token ids, labels, the final norm and its output (the output
     projection's input)."""
-    return ids_labels_bytes(tokens) + rms_norm_saved_bytes(tokens, args.dim, pbytes, fused_norm) \
+    return ids_labels_bytes(tokens) + rms_norm_saved_bytes(tokens, args.dim, pbytes) \
         + pbytes * tokens * args.dim
-
-
-def saved_activation_bytes(args: ModelArgs, micro_batch: int, seq_len: int, pbytes: int, ac_mode: str = "none",
-                           ac_every: int = 2, fused_norm: bool = True) -> int:
-    """Everything autograd holds for backward after one micro-batch's forward and loss: the blocks', the head's
-    and cross_entropy's float32 log-softmax output (train.py computes the loss on logits.float())."""
-    tokens = micro_batch * seq_len
-    per_block = block_bytes_by_mode(args, tokens, pbytes, fused_norm)
-    blocks = sum(per_block[m] for m in block_modes(args.n_layers, ac_mode, ac_every))
-    return blocks + head_saved_bytes(args, tokens, pbytes, fused_norm) + 4 * tokens * args.vocab_size
 
 
 # -- one configuration on one GPU ------------------------------------------------------------------------------------
@@ -263,7 +256,7 @@ class _Setup:
     gpus_per_node: int
     replicate: int
     shard: int
-    pbytes: int
+    param_dtype: str
     rbytes: int
     seq: int
     micro_batch: int
@@ -283,6 +276,10 @@ class _Setup:
     def tokens(self) -> int:
         return self.micro_batch * self.seq
 
+    @property
+    def pbytes(self) -> int:
+        return DTYPE_BYTES[self.param_dtype]
+
     def shard_numel(self, groups: Sequence[Group] | None = None) -> int:
         return sum(g.shard_numel(self.shard) for g in (self.groups if groups is None else groups))
 
@@ -298,9 +295,9 @@ def _setup(cfg: Config, gpus: int, gpus_per_node: int) -> _Setup:
     args = model_args_from_config(cfg.model)
     replicate, shard = mesh_shape(cfg.parallel, gpus)
     p = cfg.parallel
-    # 'auto' becomes bfloat16 on the GPU (float16 on pre-Ampere cards): 2 bytes either way.
-    pbytes = 2 if p.param_dtype == "auto" else DTYPE_BYTES[p.param_dtype]
-    return _Setup(args, fsdp_groups(args), gpus, gpus_per_node, replicate, shard, pbytes,
+    # 'auto' becomes bfloat16 on the GPU (float16 on pre-Ampere cards: the same 2 bytes).
+    param_dtype = "bfloat16" if p.param_dtype == "auto" else p.param_dtype
+    return _Setup(args, fsdp_groups(args), gpus, gpus_per_node, replicate, shard, param_dtype,
                   DTYPE_BYTES[p.reduce_dtype], cfg.train.seq_len, cfg.train.micro_batch_size,
                   cfg.train.grad_accum_steps, cfg.ac.mode, cfg.ac.every, p.reshard_after_forward, p.keep_gathered,
                   p.cpu_offload, p.defer_grad_sync and cfg.train.grad_accum_steps > 1, cfg.train.loss_chunk_tokens,
@@ -340,7 +337,7 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
     if chunk:
         # The chunked loss saves neither the output projection's input nor the logits; it holds the gradients of
         # the hidden states and of the weight from its forward to its backward.
-        head = ids_labels_bytes(tokens) + rms_norm_saved_bytes(tokens, s.args.dim, s.pbytes, True)
+        head = ids_labels_bytes(tokens) + rms_norm_saved_bytes(tokens, s.args.dim, s.pbytes)
         held_logits, hidden_grads = 0, s.pbytes * tokens * s.args.dim
     else:
         head = head_saved_bytes(s.args, tokens, s.pbytes)
@@ -368,12 +365,13 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
     # product's backward, plus the residual stream's gradient and its update, [tokens, dim] each.
     work = s.pbytes * tokens * (3 * s.args.ffn_hidden_dim + 2 * s.args.dim)
     if chunk:
-        # Inside the loss's forward: the gradients it is filling (the hidden states', and the weight's in
-        # param_dtype), and one chunk's float32 logits beside their param_dtype copy (or the param_dtype
-        # gradient made from them).
+        # Inside the loss's forward: the gradients it is filling (the hidden states', and the weight's summed in
+        # float32), and either one chunk's float32 logits beside their param_dtype copy, or that copy (the chunk's
+        # logit gradient) beside its product with the chunk's hidden states, a weight-sized param_dtype tensor.
+        weight_grad_sum = 4 * root_or_output_grads // s.pbytes
+        chunk_buffers = max((4 + s.pbytes) * chunk * vocab, s.pbytes * chunk * vocab + root_or_output_grads)
         loss_moment = {"chunked loss": {**base, "blocks": block_acts, "head": head,
-                                        "logits": hidden_grads + root_or_output_grads
-                                        + (4 + s.pbytes) * chunk * vocab}}
+                                        "logits": hidden_grads + weight_grad_sum + chunk_buffers}}
     else:
         # cross_entropy's backward, next to the param_dtype logits. Eager: log_softmax's float32 output, nll_loss's
         # float32 gradient and log_softmax's float32 input gradient at once. Compiled: the logits' param_dtype
@@ -502,7 +500,7 @@ class Suggestion:
 
     def describe(self) -> str:
         where = f"on {self.gpus} GPUs " if self.change.get("gpus") else ""
-        cost = f"~{self.cost:+.0%} time per token" if abs(self.cost) >= 0.005 else "~same speed"
+        cost = f"~{self.cost:+.0%} time per token" if abs(self.cost) >= SAME_SPEED else "~same speed"
         return (f"{where}{self.flags()}".strip() + f"  ->  {self.total_bytes / GiB:.1f} GiB, {cost}"
                 + (f"; {self.note}" if self.note else ""))
 
@@ -514,6 +512,7 @@ class Plan:
     num_params: int
     gpus: int
     gpus_per_node: int
+    """The node size, which a run on fewer GPUs does not fill."""
     dp_replicate: int
     dp_shard: int
     capacity_bytes: int
@@ -581,7 +580,8 @@ class Plan:
                      f"({self.headroom_bytes / self.capacity_bytes:.0%})" if self.fits
                      else f"verdict: DOES NOT FIT: {-self.headroom_bytes / GiB:.2f} GiB over")
         if self.suggestions:
-            lines.append("options:" if self.fits
+            lines.append(f"faster settings that fit with {OPTION_MARGIN:.0%} of the GPU to spare, fastest first "
+                         "(time per token per GPU from a rough model):" if self.fits
                          else "changes that fit, cheapest first (time per token per GPU from a rough model):")
             lines += [f"  {i}. {s.describe()}" for i, s in enumerate(self.suggestions, 1)]
         elif not self.fits:
@@ -608,7 +608,7 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
     setup = (f"model {cfg.model.name}: {s.args.num_params() / 1e9:.2f}B params ({s.args.num_params():,}) | "
              f"{gpus} GPUs, {mesh} | seq {s.seq} x micro-batch {s.micro_batch}, grad accum {s.accum} | "
              f"ac {s.ac_mode}{f' every {s.ac_every}' if s.ac_mode == 'selective' else ''} | "
-             f"{'bfloat16' if s.pbytes == 2 else 'float32'} params, {cfg.parallel.reduce_dtype} reduce | "
+             f"{s.param_dtype} params, {cfg.parallel.reduce_dtype} reduce | "
              f"reshard {s.reshard}{f' + last {s.keep_gathered} blocks kept' if s.keep_gathered else ''}"
              f"{' | cpu offload' if s.offload else ''}"
              f"{' | deferred grad sync' if s.defer else ''}")
@@ -655,7 +655,6 @@ def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:
     per_block = block_bytes_by_mode(s.args, s.tokens, s.pbytes, compiled=s.compiled)
     block_note = ", ".join(f"{modes.count(m)} x {per_block[m] / GiB:.3f} GiB ({m})"
                            for m in ("none", "op", "checkpointed") if m in modes)
-    dtype = "bfloat16" if s.pbytes == 2 else "float32"
     return {
         "params": where or f"{s.args.num_params() / 1e9:.2f}B / dp_shard {s.shard}",
         "grads": where or (f"{shards / GiB:.2f} GiB once backward ends; zero_grad frees them each step"
@@ -663,12 +662,12 @@ def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:
         "optimizer": where or "2 x the parameter shards",
         "kept": f"reshard_after_forward={s.reshard}: " + (", ".join(g.name for g in kept[:3]) or "none")
         + (f" +{len(kept) - 3} more" if len(kept) > 3 else ""),
-        "comm": f"{dtype} gathers and grads, {cfg.parallel.reduce_dtype} reduce-scatter input",
+        "comm": f"{s.param_dtype} gathers and grads, {cfg.parallel.reduce_dtype} reduce-scatter input",
         "deferred": f"{s.rbytes * s.gathered_numel() / GiB:.2f} GiB, all groups" if s.defer else "",
         "blocks": block_note,
         "head": "",
         "logits": (f"chunks of {min(s.loss_chunk, s.tokens)} tokens; the loss's gradients held to backward"
-                   if s.loss_chunk else f"[{s.tokens}, {s.args.vocab_size}] in {dtype} + "
+                   if s.loss_chunk else f"[{s.tokens}, {s.args.vocab_size}] in {s.param_dtype} + "
                    + ("its gradient (compiled loss)" if s.compiled else "3 float32 at the loss backward")),
         "work": "",
     }
@@ -676,17 +675,20 @@ def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:
 
 def plan(cfg: Config, gpus: int, gpu_memory_bytes: int, gpus_per_node: Optional[int] = None) -> Plan:
     """Predict per-GPU memory of training `cfg` on `gpus` GPUs of `gpu_memory_bytes` each (memory.limit_gib, when
-    set and smaller, is the capacity); when it does not fit, list changes that do, cheapest first."""
+    set and smaller, is the capacity); when it does not fit, list changes that do, cheapest first; when it fits,
+    faster settings that fit too, fastest first."""
     validate(cfg, gpus, "cuda")
-    per_node = min(gpus_per_node or GPUS_PER_NODE, gpus)
     capacity, source = gpu_memory_bytes, "GPU memory"
     if cfg.memory.limit_gib is not None and cfg.memory.limit_gib * GiB < gpu_memory_bytes:
         capacity, source = int(cfg.memory.limit_gib * GiB), "memory.limit_gib"
-    result = _estimate(cfg, gpus, capacity, source, per_node)
-    if not result.fits:
+    # The node size itself, even where the run uses fewer GPUs: suggestions of more GPUs fill nodes of that size.
+    result = _estimate(cfg, gpus, capacity, source, gpus_per_node or GPUS_PER_NODE)
+    if result.fits:
+        result.suggestions = _faster_options(cfg, result)
+    else:
         result.suggestions = _suggestions(cfg, result)
-    options = [_hsdp_option(cfg, result), _keep_gathered_option(cfg, result)]
-    result.suggestions += [option for option in options if option]
+        hsdp = _hsdp_option(cfg, result)
+        result.suggestions += [hsdp] if hsdp else []
     return result
 
 
@@ -696,19 +698,30 @@ def check_fits(cfg: Config, world_size: int, gpu_memory_bytes: int) -> Plan:
 
 
 # -- what to change --------------------------------------------------------------------------------------------------
+AC_SETTINGS = ({"ac.mode": "none"}, {"ac.mode": "op"}, {"ac.mode": "selective", "ac.every": 2}, {"ac.mode": "full"})
+"""The AC settings the planner tries, from the most memory (and least recompute) to the least."""
+RESHARD_POLICIES = ("never", "default", "always")
+"""reshard_after_forward, from the most gathered parameters kept to the fewest."""
+
+
+def _ac_changes(cfg: Config) -> list[dict[str, Any]]:
+    """AC_SETTINGS other than the run's."""
+    return [c for c in AC_SETTINGS if c["ac.mode"] != cfg.ac.mode or c.get("ac.every", cfg.ac.every) != cfg.ac.every]
+
+
 def _knobs(cfg: Config) -> list[list[dict[str, Any]]]:
     """Each knob's alternatives to the current setting (as config-path -> value), an empty change first."""
     t, p = cfg.train, cfg.parallel
-    ac = [{"ac.mode": "op"}, {"ac.mode": "selective", "ac.every": 2}, {"ac.mode": "full"}]
     micro = [{"train.micro_batch_size": m, "train.grad_accum_steps": t.grad_accum_steps * t.micro_batch_size // m}
              for m in range(t.micro_batch_size - 1, 0, -1) if t.micro_batch_size % m == 0]
+    lighter = RESHARD_POLICIES[RESHARD_POLICIES.index(p.reshard_after_forward) + 1:]
     knobs = [
-        [c for c in ac if c["ac.mode"] != cfg.ac.mode or c.get("ac.every", cfg.ac.every) != cfg.ac.every],
+        [c for c in _ac_changes(cfg) if c["ac.mode"] != "none"],  # no AC saves no memory
         micro,
         [{"parallel.keep_gathered": 0}] if p.keep_gathered else [],
         # keep_gathered only adds to the default policy
-        [{"parallel.reshard_after_forward": "always", **({"parallel.keep_gathered": 0} if p.keep_gathered else {})}]
-        if p.reshard_after_forward != "always" else [],
+        [{"parallel.reshard_after_forward": r, **({"parallel.keep_gathered": 0} if p.keep_gathered else {})}
+         for r in lighter],
         [{"parallel.defer_grad_sync": False}] if p.defer_grad_sync else [],
         [{"train.loss_chunk_tokens": LOSS_CHUNK}] if not t.loss_chunk_tokens else [],
         [{"parallel.cpu_offload": True}] if not p.cpu_offload else [],
@@ -728,9 +741,8 @@ def _apply(cfg: Config, change: dict[str, Any]) -> Config:
 
 
 def _replan(cfg: Config, base: Plan, change: dict[str, Any]) -> Plan:
-    gpus = change.get("gpus", base.gpus)
-    return _estimate(_apply(cfg, change), gpus, base.capacity_bytes, base.capacity_source,
-                     min(GPUS_PER_NODE, gpus) if "gpus" in change else base.gpus_per_node)
+    return _estimate(_apply(cfg, change), change.get("gpus", base.gpus), base.capacity_bytes, base.capacity_source,
+                     base.gpus_per_node)
 
 
 def _cost(base: Plan, new: Plan, tokens_ratio: float = 1.0) -> float:
@@ -738,22 +750,64 @@ def _cost(base: Plan, new: Plan, tokens_ratio: float = 1.0) -> float:
     return new.step_seconds / tokens_ratio / base.step_seconds - 1
 
 
+def _roomy(new: Plan) -> bool:
+    """Whether an option that trades memory for speed fits with OPTION_MARGIN to spare."""
+    return new.total_bytes <= (1 - OPTION_MARGIN) * new.capacity_bytes
+
+
 # The chunk the planner suggests: 2048 tokens of a 128K vocabulary are 1.5 GiB of chunk buffers.
 LOSS_CHUNK = 2048
 
-_WHY = {"ac.mode": "recomputes activations in backward",
-        "train.loss_chunk_tokens": "the loss in chunks of tokens: no full-sequence logits",
-        "train.micro_batch_size": "same global batch in more, smaller micro-batches",
-        "parallel.keep_gathered": "re-gathers the last blocks in backward",
-        "parallel.reshard_after_forward": "re-gathers the output layer in backward",
+_AC_WHAT = {"none": "no recompute: every block keeps its activations",
+            "op": "recomputes norms, RoPE and SiLU in backward, keeps the matmul outputs",
+            "selective": "recomputes one block in {every} in backward",
+            "full": "recomputes every block in backward"}
+_WHY = {"train.loss_chunk_tokens": "the loss in chunks of tokens: no full-sequence logits",
         "parallel.defer_grad_sync": "reduce-scatters every micro-batch instead of holding unsharded grads",
-        "parallel.cpu_offload": "params, grads and AdamW state in host RAM: much slower",
-        "parallel.dp_replicate": "FSDP over all GPUs shards what HSDP replicates (more traffic across nodes)"}
+        "parallel.cpu_offload": "params, grads and AdamW state in host RAM: much slower"}
 
 
-def _note(change: dict[str, Any], new: Plan) -> str:
-    host = [f"needs {new.host_bytes_per_node / GiB:.0f} GiB host RAM per node"] if new.host_bytes_per_node else []
-    return "; ".join([why for key, why in _WHY.items() if key in change] + host)
+def _freed_after_forward(cfg: Config, change: dict[str, Any]) -> str:
+    """In words, the groups the run keeps gathered from forward to backward and the change frees ('' if none)."""
+    groups = fsdp_groups(model_args_from_config(cfg.model))
+    p, q = cfg.parallel, _apply(cfg, change).parallel
+    after = kept_after_forward(groups, q.reshard_after_forward, q.keep_gathered)
+    freed = [g for g in kept_after_forward(groups, p.reshard_after_forward, p.keep_gathered) if g not in after]
+    blocks = [g for g in groups if g.role == "block"]
+    index = [blocks.index(g) for g in freed if g.role == "block"]
+    words = []
+    if index:
+        first, last, n = index[0], index[-1], len(blocks)
+        if first == 0 and last == n - 1:
+            words.append("every block")
+        elif first == 0:
+            words.append("every block but the last" + (f" {n - 1 - last}" if last < n - 2 else ""))
+        elif last == n - 1:
+            words.append(f"the last {len(index)} blocks" if len(index) > 1 else "the last block")
+        else:
+            words.append(f"blocks {first} to {last}" if len(index) > 1 else blocks[first].name)
+    words += ["the embedding" if g.role == "embedding" else "the output layer" for g in freed if g.role != "block"]
+    return " and ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else words)
+
+
+def _note(cfg: Config, change: dict[str, Any], new: Plan) -> str:
+    """What the change does to the run, part by part, and the host RAM it needs."""
+    why = []
+    if "ac.mode" in change:
+        why.append(_AC_WHAT[change["ac.mode"]].format(every=change.get("ac.every", cfg.ac.every)))
+    if "train.micro_batch_size" in change:
+        fewer = change["train.micro_batch_size"] > cfg.train.micro_batch_size
+        why.append(f"same global batch in {'fewer, larger' if fewer else 'more, smaller'} micro-batches")
+    freed = _freed_after_forward(cfg, change)
+    if freed:
+        why.append(f"frees {freed} after forward (gathered again in backward)")
+    why += [text for key, text in _WHY.items() if key in change]
+    if "parallel.dp_replicate" in change:
+        why.append("HSDP: less inter-node traffic, more memory per GPU" if change["parallel.dp_replicate"] > 1
+                   else "FSDP over all GPUs: less memory per GPU, more inter-node traffic")
+    if new.host_bytes_per_node:
+        why.append(f"needs {new.host_bytes_per_node / GiB:.0f} GiB host RAM per node")
+    return "; ".join(why)
 
 
 def _suggestions(cfg: Config, base: Plan, limit: int = 5) -> list[Suggestion]:
@@ -767,9 +821,17 @@ def _suggestions(cfg: Config, base: Plan, limit: int = 5) -> list[Suggestion]:
         new = _replan(cfg, base, change)
         if new.fits:
             fitting.append((change, new))
-    # A combination that contains a smaller fitting one changes something for nothing.
-    minimal = [(c, p) for c, p in fitting if not any(o.items() < c.items() for o, _ in fitting)]
-    found = [Suggestion(c, base.gpus, p.total_bytes, _cost(base, p), _note(c, p)) for c, p in minimal]
+    changes = [c for c, _ in fitting]
+
+    def needless(c: dict[str, Any]) -> bool:
+        """It contains a smaller fitting change, or reshards always where default, the rest alike, fits: default
+        already frees every block; always also frees the group that runs last, to gather it again at once."""
+        return any(o.items() < c.items() for o in changes) or (
+            c.get("parallel.reshard_after_forward") == "always"
+            and {**c, "parallel.reshard_after_forward": "default"} in changes)
+
+    found = [Suggestion(c, base.gpus, p.total_bytes, _cost(base, p), _note(cfg, c, p))
+             for c, p in fitting if not needless(c)]
     more = _more_gpus(cfg, base)
     return sorted(found, key=lambda s: s.cost)[:limit] + ([more] if more else [])
 
@@ -792,31 +854,52 @@ def _more_gpus(cfg: Config, base: Plan) -> Optional[Suggestion]:
     return None
 
 
+def _faster_options(cfg: Config, result: Plan, limit: int = 3) -> list[Suggestion]:
+    """For a run that fits: the changes the time model says are faster and that fit with OPTION_MARGIN to spare,
+    fastest first. HSDP across nodes, more blocks kept gathered, lighter AC, and fewer, larger micro-batches (only
+    where grad_accum_steps shrinks as much: a larger global batch would change the training, not only its speed)."""
+    t = cfg.train
+    tweaks = _ac_changes(cfg) + [
+        {"train.micro_batch_size": t.micro_batch_size * f, "train.grad_accum_steps": t.grad_accum_steps // f}
+        for f in range(2, t.grad_accum_steps + 1) if t.grad_accum_steps % f == 0]
+    hsdp = _hsdp_option(cfg, result)
+    # A step takes the longer of compute and communication: where inter-node all-gathers set the pace, less
+    # recompute gains little without HSDP, so each tweak is also tried on top of it.
+    changes = tweaks + ([{**tweak, **hsdp.change} for tweak in tweaks] if hsdp else [])
+    options = [option for option in (hsdp, _keep_gathered_option(cfg, result)) if option]
+    for change in changes:
+        new = _replan(cfg, result, change)
+        if _roomy(new):
+            options.append(Suggestion(change, result.gpus, new.total_bytes, _cost(result, new),
+                                      _note(cfg, change, new)))
+    return sorted((o for o in options if o.cost <= -SAME_SPEED), key=lambda o: o.cost)[:limit]
+
+
 def _keep_gathered_option(cfg: Config, result: Plan) -> Optional[Suggestion]:
-    """For a run that fits with room to spare: the most blocks `parallel.keep_gathered` can keep and still fit,
-    each one all-gather and its copies fewer per step."""
+    """For a run that fits with room to spare: the most blocks `parallel.keep_gathered` can keep with OPTION_MARGIN
+    to spare, each one all-gather and its copies fewer per step."""
     p = cfg.parallel
     n_layers = model_args_from_config(cfg.model).n_layers
-    if not result.fits or p.reshard_after_forward != "default" or p.keep_gathered >= n_layers:
+    if p.reshard_after_forward != "default" or p.keep_gathered >= n_layers:
         return None
     low, high, best = p.keep_gathered, n_layers, None  # the largest count that fits, by bisection
     while low < high:
         middle = (low + high + 1) // 2
         new = _replan(cfg, result, {"parallel.keep_gathered": middle})
-        if new.fits:
+        if _roomy(new):
             low, best = middle, new
         else:
             high = middle - 1
     if best is None:
         return None
     return Suggestion({"parallel.keep_gathered": low}, result.gpus, best.total_bytes, _cost(result, best),
-                      f"keeps the last {low} blocks gathered from forward to backward: faster, uses the headroom")
+                      f"keeps the last {low} blocks gathered from forward to backward")
 
 
 def _hsdp_option(cfg: Config, result: Plan) -> Optional[Suggestion]:
     """HSDP (shard within a node, replicate across nodes) for a multi-node FSDP run: more memory per GPU than
     sharding over every GPU, but only one all-reduce of sharded gradients per step crosses nodes. Offered on top of
-    the run if it fits, else on top of its first same-hardware suggestion, and only where the result fits."""
+    the run if it fits, else on top of its first same-hardware suggestion, and only with OPTION_MARGIN to spare."""
     nodes = result.gpus // result.gpus_per_node
     if result.dp_replicate > 1 or nodes < 2 or result.gpus % result.gpus_per_node:
         return None
@@ -825,10 +908,9 @@ def _hsdp_option(cfg: Config, result: Plan) -> Optional[Suggestion]:
         return None
     change = {**on_top, "parallel.dp_replicate": nodes, "parallel.dp_shard": result.gpus_per_node}
     new = _replan(cfg, result, change)
-    if not new.fits:
+    if not _roomy(new):
         return None
-    return Suggestion(change, result.gpus, new.total_bytes, _cost(result, new),
-                      "HSDP: cuts inter-node traffic; uses more memory per GPU than FSDP over all GPUs")
+    return Suggestion(change, result.gpus, new.total_bytes, _cost(result, new), _note(cfg, change, new))
 
 
 # -- command line ----------------------------------------------------------------------------------------------------

@@ -17,17 +17,18 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdp_trainer import distributed
-from fsdp_trainer.checkpoint import CheckpointError, Checkpointer
+from fsdp_trainer.checkpoint import CheckpointError, Checkpointer, StopSignals
 from fsdp_trainer.config import (Config, ConfigError, grads_in_compute_pool, mesh_shape, parse_args, resolve_param_dtype,
                                  to_toml, validate)
 from fsdp_trainer.data import build_dataloader, check_source, samples_per_step, stop_workers
@@ -36,7 +37,7 @@ from fsdp_trainer.faults import NonFiniteError, NonFiniteGuard, Watchdog, descri
 from fsdp_trainer.loss import compiled_cross_entropy, cross_entropy
 from fsdp_trainer.metrics import GiB, Metrics, PhaseTimer, environment, write_run_info
 from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
-from fsdp_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm
+from fsdp_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm, follow_current_schedule
 from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile, apply_fsdp, init_weights
 from fsdp_trainer.plan import Plan, check_fits
 from fsdp_trainer.profiling import OPTIMIZER_RANGE, StepProfiler
@@ -109,7 +110,8 @@ def mean_over_ranks(value: torch.Tensor, world_size: int) -> float:
     return value.item() / world_size
 
 
-def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = None) -> dict:
+def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = None,
+        signals: Optional[StopSignals] = None) -> dict:
     device = info.device
     dp_replicate, dp_shard = mesh_shape(cfg.parallel, info.world_size)
     output_dir = Path(cfg.train.output_dir)
@@ -133,10 +135,12 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
 
     t = cfg.train
     global_batch = samples_per_step(t.micro_batch_size, t.grad_accum_steps, info.world_size)
-    guard = NonFiniteGuard(device, t.on_nonfinite, t.max_skipped_steps)
-    ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, before_save=guard.check)
+    ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, signals)
     progress = ckpt.restore()
-    guard.step_number = progress.step  # so that a skipped step is reported by its number in the whole run
+    follow_current_schedule(scheduler, cfg.optim, t.steps)
+    # A skipped step is numbered, and counted toward max_skipped_steps, in the whole run, not since this resume.
+    guard = NonFiniteGuard(device, t.on_nonfinite, t.max_skipped_steps, progress.step, progress.skipped_steps,
+                           scaler)
     if progress.step >= t.steps:
         logger.info(f"step {progress.step} of train.steps={t.steps} is done already: nothing to train "
                     "(raise --train.steps to continue)")
@@ -156,15 +160,16 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
                       world_size=info.world_size, flops_per_token=args.flops_per_token(t.seq_len),
                       output_dir=output_dir, tensorboard=cfg.metrics.tensorboard, is_main=info.is_main)
     profiler = StepProfiler(cfg.profile.steps, cfg.profile.memory_snapshot, output_dir, info.rank, device)
-    watchdog = Watchdog(info.rank, info.world_size, cfg.dist.init_timeout_s, cfg.dist.timeout_s)
+    watchdog = Watchdog(info.rank, info.world_size, cfg.dist.init_timeout_s, cfg.dist.timeout_s, mesh)
     metrics.start(progress.step)
     rows_file = start_rows_file(output_dir, progress.step) if info.is_main else None
     history, memory_compared = [], memory_plan is None
     try:
-        with ckpt.stop_signals(), scheduled_gc(t.gc_every) as collect_garbage:
+        with ckpt.training(watchdog, before_save=guard.check), scheduled_gc(t.gc_every) as collect_garbage:
             while progress.step < t.steps:
                 profiler.before(progress.step + 1)
                 metrics.phases.begin_step()
+                lr = optimizer.param_groups[0]["lr"]  # the rate this step applies (train_step advances it)
                 loss, grad_norm = train_step(model, optimizer, scheduler, batches, cfg, scaler, device, guard,
                                              metrics.phases)
                 progress.advance(global_batch, t.seq_len)
@@ -177,14 +182,12 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
                         extra.update(planned_vs_measured(memory_plan, device))
                         memory_compared = True
                     row = metrics.log(progress.step, mean_over_ranks(loss, info.world_size), grad_norm.item(),
-                                      scheduler.get_last_lr()[0], extra=extra)
+                                      lr, extra=extra)
                     history.append({"step": progress.step, **row})
                     append_row(rows_file, history[-1])
-                with watchdog.paused():  # a save may take longer than a step
-                    if ckpt.after_step(progress):  # saves when due; True once the ranks agreed to stop on a signal
-                        break
-            with watchdog.paused():
-                ckpt.finish(progress)
+                if ckpt.after_step(progress):  # saves when due; True once the ranks agreed to stop on a signal
+                    break
+            ckpt.finish(progress)
     except torch.OutOfMemoryError as err:
         remedy = memory_plan.remedy() if memory_plan else None
         top = remedy.describe() if remedy else None
@@ -236,8 +239,16 @@ def start_rows_file(output_dir: Path, start_step: int) -> Path:
     path = output_dir / "metrics.jsonl"
     rows = path.read_text().splitlines() if start_step and path.is_file() else []
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(row + "\n" for row in rows if json.loads(row)["step"] <= start_step))
+    path.write_text("".join(row + "\n" for row in rows if _row_step(row) <= start_step))
     return path
+
+
+def _row_step(row: str) -> float:
+    """A row's step; infinity (dropped) for a line cut off when a run was killed mid-write."""
+    try:
+        return json.loads(row)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def append_row(path: Optional[Path], row: dict) -> None:
@@ -249,30 +260,47 @@ def append_row(path: Optional[Path], row: dict) -> None:
 
 @record  # torchrun's error file, and so its failure summary, gets the failing rank's real traceback
 def main(argv=None) -> None:
-    cfg = parse_args(argv)
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    # First: a preemption's signal during start-up (rendezvous, restore, compilation) must not kill the rank, or
+    # torchrun counts a failure and Slurm does not requeue. The Checkpointer acts on it.
+    signals = StopSignals(rank)
+    signals.install()
+
+    # Everything that can be checked without a GPU is checked before the process group or any memory.
     try:
-        # Everything that can be checked without a GPU is checked before the process group or any memory.
+        cfg = parse_args(argv)
         validate(cfg, world_size, "cuda" if torch.cuda.is_available() else "cpu")
-        check_source(cfg.data, cfg.train.seq_len, model_args_from_config(cfg.model).vocab_size)
+    except ConfigError as err:  # the same on every rank: one message is enough
+        exit_with_error(str(err), show=rank == 0)
+    try:
+        data = check_source(cfg.data, cfg.train.seq_len, model_args_from_config(cfg.model).vocab_size)
+    except ConfigError as err:  # the data may be missing or unreadable on one node only: each node says
+        exit_with_error(f"[rank {rank}] {err}", show=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+    if rank == 0:
+        print(f"data: {data}", file=sys.stderr)
+    try:
         memory_plan = fits_or_exit(cfg, world_size, rank)
     except ConfigError as err:
-        if rank == 0:
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_error(str(err), show=rank == 0)
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
     if cfg.dist.flight_recorder and torch.cuda.is_available():
         enable_flight_recorder(Path(cfg.train.output_dir))
-    info = distributed.init(cfg.dist.init_timeout_s)
+    info = distributed.init(cfg.dist.init_timeout_s, cpu_collectives=cfg.parallel.cpu_offload)
     try:
-        run(cfg, info, memory_plan)
+        run(cfg, info, memory_plan, signals)
     except (CheckpointError, NonFiniteError) as err:  # raised alike on every rank: one message is enough
-        if info.is_main:
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        exit_with_error(str(err), show=info.is_main)
     finally:
         distributed.shutdown()
+        signals.restore()
+
+
+def exit_with_error(message: str, show: bool) -> NoReturn:
+    """Exit with status 2 (bad input, not a crash), printing the message where `show`."""
+    if show:
+        print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def fits_or_exit(cfg: Config, world_size: int, rank: int) -> Optional[Plan]:

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Shared by run.sh, multinode.sh and slurm.sbatch (sourced, never run on its own): environment defaults,
-# GPU count, rank-0 log filtering, and printing/running the final command.
+# GPU count, rendezvous endpoint, rank-0 log filtering, and printing/running the final command.
 
 # Ranks per node: the GPUs this process may use (CUDA_VISIBLE_DEVICES, as Slurm sets it, else nvidia-smi -L),
 # or one CPU process (gloo) when there is no GPU.
@@ -57,6 +57,15 @@ print_and_run() {
         exit 0
     fi
     exec "$@"
+}
+
+# A rendezvous endpoint: host[:port] as given, the port defaulting to $2. Prints host:port.
+endpoint() {
+    if [[ "$1" == *:* ]]; then
+        echo "$1"
+    else
+        echo "$1:$2"
+    fi
 }
 
 # The launcher, as words: TORCHRUN="python -m torch.distributed.run" works where torchrun is not on PATH.

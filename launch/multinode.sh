@@ -33,10 +33,7 @@ source "$here/common.sh"
 
 : "${NNODES:?set NNODES (number of nodes, or MIN:MAX)}"
 : "${HEAD:?set HEAD to host:port of one node, e.g. HEAD=node0:29500}"
-head="$HEAD"
-if [[ "$head" != *:* ]]; then
-    head="$head:29500"
-fi
+head="$(endpoint "$HEAD" 29500)"
 ngpu="${NGPU:-$(default_ngpu)}"
 set_env_defaults
 

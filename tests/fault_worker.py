@@ -1,26 +1,37 @@
 """Runs the trainer with one injected fault, for tests/test_faults.py (launched under torchrun).
 
-    python -m torch.distributed.run ... tests/fault_worker.py <hang|crash|nan> <rank|all> <step> -- <train flags>
+    python -m torch.distributed.run ... tests/fault_worker.py <fault> <rank|all> <step> -- <train flags>
+
+Faults, at the <step>-th call of train_step on the chosen rank(s): hang, crash, nan (its loss); stall (hangs,
+while the other ranks go on as they do under NCCL, whose steps only queue GPU work: they return at once, and so
+next wait in the stop/save vote or a save). preempt: SIGUSR1 while the model is built, before the first step.
 """
 
 import os
+import signal
 import sys
 import time
 
+import torch
 import torch.nn.functional as F
 
 from fsdp_trainer import train
 
 fault, fault_rank, fault_step = sys.argv[1], sys.argv[2], int(sys.argv[3])
 train_flags = sys.argv[sys.argv.index("--") + 1:]
-real_step, real_cross_entropy = train.train_step, F.cross_entropy
+real_step, real_cross_entropy, real_build_model = train.train_step, F.cross_entropy, train.build_model
+chosen = fault_rank in ("all", os.environ["RANK"])
 calls = 0
 
 
 def faulty_step(*args, **kwargs):
     global calls
     calls += 1
-    if calls == fault_step and fault_rank in ("all", os.environ["RANK"]):
+    if fault == "stall" and calls >= fault_step:
+        if chosen:
+            time.sleep(3600)
+        return torch.zeros(()), torch.zeros(())
+    if calls == fault_step and chosen:
         if fault == "hang":
             time.sleep(3600)
         if fault == "crash":
@@ -34,5 +45,11 @@ def faulty_step(*args, **kwargs):
     return real_step(*args, **kwargs)
 
 
-train.train_step = faulty_step
+def build_model_preempted(*args, **kwargs):
+    if fault == "preempt" and chosen:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    return real_build_model(*args, **kwargs)
+
+
+train.train_step, train.build_model = faulty_step, build_model_preempted
 train.main(train_flags)

@@ -249,7 +249,8 @@ def test_async_and_sync_saves_hold_the_same_tensors(small, tmp_path):
             want = all_tensors(ck.step_dir(small / "checkpoints", step))
             got = all_tensors(ck.step_dir(out / "checkpoints", step))
             assert sorted(got) == sorted(want) and any(k.startswith("optim.state.") for k in got)
-            for key in want.keys() - {"rng.rank0.python"}:  # Python's RNG is this test process's, run after run
+            # Python's RNG is this test process's, run after run.
+            for key in want.keys() - {"rng.rank0.python", "rng.rank0.python_gauss"}:
                 assert torch.equal(got[key], want[key]), (mode, step, key)
         ck.main(["export", str(out / "checkpoints"), str(tmp_path / f"export_{mode}")])
     ck.main(["export", str(small / "checkpoints"), str(tmp_path / "export_none")])
@@ -305,6 +306,25 @@ def test_pinned_stager_reuses_its_buffers():
     flat = stager._flat
     for staged in (second["w"], second["nested"]["odd"]):
         assert flat.data_ptr() <= staged.data_ptr() < flat.data_ptr() + flat.numel()
+
+
+def test_pinned_stager_takes_rng_state_after_python_random_was_used():
+    """The RNG state keeps its size whatever Python's `random` did since the buffers were sized, and round-trips."""
+    stager = ck.ReusedBufferStager(torch.device("cpu"))
+    random.seed(0)
+    stager.stage({"rng": ck.rng_state(torch.device("cpu"))})
+    random.random(), random.gauss(0, 1)  # gauss caches a second value: the state's optional part is set now
+    want = random.getstate()
+    staged = stager.stage({"rng": ck.rng_state(torch.device("cpu"))})
+    random.seed(1)
+    # Copies, as a load gives: torch.set_rng_state reads a view of the flat buffer from the buffer's start.
+    ck.set_rng_state({k: v.clone() for k, v in staged["rng"].items()}, torch.device("cpu"))
+    assert random.getstate() == want
+    random.seed(1)
+    older = {"python": torch.frombuffer(bytearray(json.dumps(want).encode()), dtype=torch.uint8),  # JSON text
+             "cpu": torch.get_rng_state()}
+    ck.set_rng_state(older, torch.device("cpu"))
+    assert random.getstate() == want
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -418,6 +438,67 @@ def test_resume_refuses_missing_partial_and_corrupt_checkpoints(small, tmp_path,
         err = capsys.readouterr().err
         assert str(path) in err and message in err, (name, err)
     assert tree(root) == before
+
+
+def test_init_from_a_corrupt_checkpoint_or_hf_folder_names_the_file(small, tmp_path, capsys):
+    """A truncated shard fails inside DCP with a CheckpointException, which is a BaseException: it must still end
+    as one clear error, and so must unreadable Hugging Face JSON files."""
+    source = tmp_path / "step_00000004"
+    shutil.copytree(small / "checkpoints/step_00000004", source)
+    shard = source / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(SystemExit) as exit_info:
+        main([*TINY, "--train.output_dir", str(tmp_path / "run"), "--checkpoint.init_from", str(source)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"checkpoint {source} could not be read" in err, err
+    assert "give --checkpoint.init_from an earlier complete checkpoint" in err
+
+    args = model_args_from_config(parse_args(TINY).model)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"hidden_size": 64,')
+    pytest.importorskip("safetensors")
+    with pytest.raises(ck.CheckpointError, match="config.json is unreadable .*; download or export the model again"):
+        ck.load_weights(build(args, device="cpu"), f"hf:{hf}", args)
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ck.CheckpointError, match="model.safetensors.index.json is unreadable .*KeyError: 'weight_map'"):
+        ck.load_weights(build(args, device="cpu"), f"hf:{hf}", args)
+
+
+def test_a_marker_without_the_resume_fields_is_incomplete_and_list_says_so(small, tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(small / "checkpoints", root)
+    for step, keys in ((2, ["skipped_steps"]), (4, ["consumed_samples"])):  # older checkpoints lack skipped_steps
+        state = ck.read_trainer_state(ck.step_dir(root, step))
+        for key in keys:
+            del state[key]
+        (ck.step_dir(root, step) / ck.MARKER).write_text(json.dumps(state))
+    assert ck.find_latest(root)[0] == root / "step_00000002"
+    ck.main(["list", str(root)])
+    out = capsys.readouterr().out
+    assert "step_00000002  complete" in out
+    assert (f"step_00000004  INCOMPLETE: it has a {ck.MARKER} without consumed_samples (edited, or written by "
+            "another version of fsdp_trainer?)") in out
+
+    with pytest.raises(SystemExit) as exit_info:
+        ck.main(["list", str(tmp_path / "nope")])
+    assert exit_info.value.code == 2
+    assert f"{tmp_path / 'nope'}: no such folder" in capsys.readouterr().err
+
+
+def test_retention_deletes_incomplete_folders_older_than_the_newest_complete_one(tmp_path, capfd):
+    """What a crash mid-save or mid-deletion left goes once a newer checkpoint is complete; a newer incomplete
+    folder stays (the save of its step clears it)."""
+    root = tmp_path / "checkpoints"
+    for step in (1, 9):
+        ck.step_dir(root, step).mkdir(parents=True)
+        (ck.step_dir(root, step) / "__0_0.distcp").write_text("half written")
+    train_in_process("--train.steps", "2", "--checkpoint.interval", "2", "--checkpoint.async_mode", "none",
+                     "--train.output_dir", str(tmp_path))
+    assert [step for step, _ in ck.list_checkpoints(root)] == [2, 9] and complete_steps(root) == [2]
+    assert f"deleted {ck.step_dir(root, 1)} (incomplete, older than the newest complete checkpoint)" in \
+        capfd.readouterr().err
 
 
 def test_resume_refuses_to_mix_runs_in_one_folder(small, capsys):

@@ -44,6 +44,22 @@ def test_sizes_and_bus_bandwidth_factors():
     assert bus_factor("all_gather", 4) == bus_factor("reduce_scatter", 4) == 3 / 4
 
 
+def test_iters_below_1_is_refused_before_anything_runs():
+    proc, _ = run_doctor("--iters", "0")
+    assert proc.returncode != 0 and "== checks" not in proc.stdout
+    assert "--iters 0: the bandwidth table needs at least one timed run per size" in proc.stderr, proc.stderr
+
+
+def test_every_variable_the_trainer_sets_is_explained(tmp_path, monkeypatch):
+    from fsdp_trainer.faults import enable_flight_recorder
+    environ = {k: v for k, v in os.environ.items() if k not in doctor.KNOWN_VARIABLES}
+    before = set(environ)
+    monkeypatch.setattr(os, "environ", environ)  # a copy, so that nothing set here outlives the test
+    enable_flight_recorder(tmp_path)
+    new = environ.keys() - before
+    assert new and new <= doctor.KNOWN_VARIABLES.keys(), new - doctor.KNOWN_VARIABLES.keys()
+
+
 def test_single_process():
     proc, _ = run_doctor()
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -3,16 +3,20 @@ non-finite step is never applied and never checkpointed."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
-from helpers import TINY_FLAGS, free_port
+from helpers import TINY_FLAGS, free_port, run_ranks
 
+REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("fault_worker.py")
 TINY = [*TINY_FLAGS, "--data.source", "synthetic"]
 
@@ -29,9 +33,71 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
     proc, elapsed = launch("hang", "1", 3, tmp_path, "--train.steps", "6", "--dist.timeout_s", "5",
                            "--checkpoint.interval", "0", "--checkpoint.no_save_final")
     assert proc.returncode != 0
-    assert "suspect rank(s): 1 (busy outside any collective, at faulty_step (fault_worker.py" in proc.stderr, \
-        proc.stderr[-3000:]
+    assert "suspect rank(s): 1 (busy outside any collective or GPU sync, at faulty_step (fault_worker.py" in \
+        proc.stderr, proc.stderr[-3000:]
     assert elapsed < 60, elapsed  # 5 s timeout + start-up + torchrun tear-down, not the 10-minute default
+
+
+@pytest.mark.parametrize("interval", [0, 3], ids=["in_the_vote", "in_a_save"])
+def test_a_stalled_rank_is_named_by_ranks_that_wait_for_it_in_the_vote_or_a_save(tmp_path, interval):
+    """As under NCCL, the healthy rank does not wait inside the step for the stalled one: it runs ahead into the
+    stop/save vote (interval 0; watched, and reported as waiting) or into a save that waits for the stalled rank
+    (interval 3; not timed out, but reported as checkpointing). Neither may be called dead."""
+    proc, elapsed = launch("stall", "1", 3, tmp_path, "--train.steps", "6", "--train.log_every", "6",
+                           "--dist.timeout_s", "5", "--checkpoint.interval", str(interval),
+                           "--checkpoint.no_save_final")
+    assert proc.returncode != 0
+    ahead = 4 if interval == 0 else 3  # the vote of step 3 is read after step 4; the save of step 3 waits
+    assert f"suspect rank(s): 1 (finished step 2 while others finished step {ahead})." in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "sent no report" not in proc.stderr
+    assert elapsed < 60, elapsed
+
+
+def test_a_watchdog_that_cannot_reach_the_store_says_so(tmp_path):
+    script = """if True:
+        import time
+        from fsdp_trainer import distributed
+        from fsdp_trainer.faults import Watchdog
+
+        class Gone:  # a c10d store whose host is down
+            def __getattr__(self, name):
+                def fail(*args, **kwargs):
+                    raise RuntimeError("Connection reset by peer")
+                return fail
+
+        distributed.init(60)
+        watchdog = Watchdog(0, 1, 1.0, 1.0, distributed.build_mesh("cpu", 1, 1))
+        watchdog.store = Gone()  # before its first look, a quarter of the timeout later
+        time.sleep(60)
+    """
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "(busy, at <module> (<string>:" in proc.stderr  # where this rank itself is stuck: the sleep
+    assert "and the c10d store (on the rendezvous host) cannot be reached (Connection reset by peer)" in proc.stderr
+
+
+def _group_timeouts() -> list[float]:
+    from fsdp_trainer import distributed
+    from fsdp_trainer.faults import Watchdog
+
+    distributed.init(60)
+    mesh = distributed.build_mesh("cpu", 2, 2)
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    watchdog = Watchdog(int(os.environ["RANK"]), 4, 30.0, 5.0, mesh)
+    timeouts = [[g._get_backend(torch.device("cpu")).options._timeout for g in groups]]
+    watchdog.beat(1)
+    timeouts.append([g._get_backend(torch.device("cpu")).options._timeout for g in groups])
+    watchdog.stop()
+    return timeouts
+
+
+def test_the_hsdp_mesh_groups_get_the_watchdogs_timeouts():
+    """DeviceMesh creates HSDP's sub-groups with the backend's default timeout (30 min on gloo, 10 on NCCL): the
+    watchdog sets dist.init_timeout_s on them, and dist.timeout_s (+60 s behind the watchdog) after step 1."""
+    for before, after in run_ranks(_group_timeouts, 4):
+        assert before == [datetime.timedelta(seconds=30)] * 2 and after == [datetime.timedelta(seconds=65)] * 2
 
 
 def test_a_crashed_rank_ends_the_job_naming_it_with_its_traceback(tmp_path):
@@ -63,6 +129,30 @@ def test_nonfinite_step_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pat
     assert all(torch.isfinite(torch.tensor(r["grad_norm"])) for r in rows if r["step"] < 5)
 
 
+def test_a_stop_signal_during_start_up_exits_0_before_the_first_step(tmp_path):
+    """SIGUSR1 to one rank while it builds its model: not killed by it, and every rank exits 0 at once, untrained
+    and with nothing to save (a preemption's grace period is better spent exiting than compiling)."""
+    proc, elapsed = launch("preempt", "1", 0, tmp_path, "--train.steps", "6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SIGUSR1: finishing the step" in proc.stderr
+    assert "stopped during start-up, at step 0, on a stop signal; nothing new to save" in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists() and not list(tmp_path.glob("checkpoints/step_*"))
+
+
+def test_skipped_steps_count_over_resumes(tmp_path):
+    """The count of skipped steps is saved with each checkpoint and continues on resume: 1 skipped before the
+    resume and 1 after exceed train.max_skipped_steps=1. Step numbers are the whole run's."""
+    flags = ["--train.on_nonfinite", "skip", "--train.max_skipped_steps", "1", "--checkpoint.interval", "2",
+             "--checkpoint.async_mode", "none"]
+    proc, _ = launch("nan", "all", 3, tmp_path, "--train.steps", "4", *flags, nproc=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "checkpoints/step_00000004/trainer_state.json").read_text())["skipped_steps"] == 1
+    proc, _ = launch("nan", "all", 2, tmp_path, "--train.steps", "8", *flags, nproc=1)
+    assert proc.returncode != 0
+    assert "non-finite loss or gradient norm at step 6 (2 steps skipped > train.max_skipped_steps=1)" in \
+        proc.stderr, proc.stderr[-3000:]
+
+
 def test_skip_mode_skips_nonfinite_steps_and_finishes_with_finite_weights(tmp_path):
     proc, _ = launch("nan", "0", 3, tmp_path, "--train.steps", "6", "--train.on_nonfinite", "skip",
                      "--checkpoint.interval", "0", "--checkpoint.async_mode", "none")
@@ -70,3 +160,14 @@ def test_skip_mode_skips_nonfinite_steps_and_finishes_with_finite_weights(tmp_pa
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["skipped_steps"] == 1
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows if r["step"] != 3)
+
+
+def test_a_float16_loss_scale_below_1_stops_the_run():
+    """The scaler skips overflowing steps itself; a scale halved below 1 means every step overflows unscaled."""
+    from fsdp_trainer.faults import NonFiniteError, NonFiniteGuard
+
+    healthy = NonFiniteGuard(torch.device("cpu"), "stop", 10, scaler=torch.amp.GradScaler("cpu", init_scale=2.0))
+    assert healthy.check() == 0
+    diverged = NonFiniteGuard(torch.device("cpu"), "stop", 10, scaler=torch.amp.GradScaler("cpu", init_scale=0.5))
+    with pytest.raises(NonFiniteError, match="float16 loss scale fell to 0.5"):
+        diverged.check()

@@ -180,3 +180,36 @@ def test_gradients_in_the_compute_pool_train_identically_on_two_gpus(tmp_path):
 
     pooled = losses("grads_in_compute_pool")
     assert len(pooled) == 8 and pooled == losses("no_grads_in_compute_pool")
+
+
+def test_gradients_in_the_compute_pool_refuse_accumulation_with_sync_on_every_micro_batch(info):
+    """A second backward before zero_grad makes FSDP2 add into the pooled gradients on its reduce-scatter stream:
+    refused, naming the fixes, instead of racing the compute stream."""
+    from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
+    from fsdp_trainer.parallelize import apply_fsdp, init_weights
+
+    model = build(model_args_from_config(tiny_config().model), device="meta")
+    apply_fsdp(model, distributed.build_mesh("cuda", 1, info.world_size), block_types=(TransformerBlock,),
+               grads_in_compute_pool=True)
+    init_weights(model, torch.device("cuda"))
+    tokens = torch.randint(0, 320, (2, 32), device="cuda")
+    model(tokens).float().logsumexp(-1).mean().backward()
+    with pytest.raises(RuntimeError, match="would add into gradients that already exist"):
+        model(tokens).float().logsumexp(-1).mean().backward()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cpu_offload_trains_on_two_gpus(tmp_path):
+    """With the gradients in host memory, the global gradient norm is all-reduced over gloo beside NCCL."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "offload"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "fsdp_trainer.train",
+                    "--model.name", "debug", "--train.steps", "4", "--train.log_every", "1", "--data.source",
+                    "synthetic", "--parallel.cpu_offload", "--parallel.no_compile", "--train.output_dir", str(out),
+                    "--checkpoint.interval", "0", "--checkpoint.no_save_final", "--metrics.no_tensorboard"],
+                   check=True, timeout=300)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(row["grad_norm"] > 0 for row in rows)

@@ -154,6 +154,7 @@ def test_slurm_dry_run(tmp_path, with_scontrol):
     assert result.returncode == 0, result.stderr
     cmd = printed_command(result.stdout)
     assert cmd[:3] == ["srun", "--nodes=2", "--ntasks-per-node=1"] and "--cpus-per-task=96" in cmd
+    assert f"--chdir={REPO}" in cmd  # the tasks start in the repository, whatever the submit directory
     relay = cmd.index("bash")
     assert cmd[relay + 1] == str(LAUNCH / "relay_signals.sh") and cmd[relay + 2] == "torchrun"
     port = 29500 + 4242 % 1000
@@ -162,6 +163,10 @@ def test_slurm_dry_run(tmp_path, with_scontrol):
         assert flag in cmd, (flag, cmd)
     assert cmd[cmd.index("-m"):] == ["-m", "fsdp_trainer.train", "--config", "configs/llama3_8b.toml",
                                      "--train.steps", "10"]
+    # HEAD is host[:port] as in multinode.sh; a port there wins over PORT and the job's default.
+    for head, want in (("node9", f"node9:{port}"), ("node9:1234", "node9:1234")):
+        result = script("slurm.sbatch", env=launch_env(tmp_path, DRY_RUN="1", HEAD=head, PORT=str(port), **SLURM_ENV))
+        assert f"--rdzv-endpoint={want}" in printed_command(result.stdout), (head, result.stdout + result.stderr)
     outside = script("slurm.sbatch", env=launch_env(tmp_path, DRY_RUN="1"))
     assert outside.returncode != 0 and "Slurm" in outside.stderr
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from fsdp_trainer.metrics import PhaseTimer
@@ -52,3 +53,16 @@ def test_allocator_retries_are_recorded_and_warned_about_once(monkeypatch, tmp_p
         logger.removeHandler(handler)
     assert [r["alloc_retries"] for r in rows] == [0, 3, 9]
     assert len(warnings) == 1 and "by step 20" in warnings[0] and "run out 3 times" in warnings[0]
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12),
+    ("NVIDIA H200 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A10", 125e12),
+    ("NVIDIA L40S", 362e12), ("NVIDIA RTX A4000", None), ("Tesla V100-SXM2-32GB", 125e12),
+])
+def test_peak_flops_match_whole_card_names(monkeypatch, name, peak):
+    from fsdp_trainer import metrics
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert metrics.peak_flops(torch.device("cuda")) == peak
+

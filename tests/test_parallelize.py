@@ -155,8 +155,9 @@ def record_prefetch(prefetch):
     return {kind: {index[k]: [index[m] for m in v] for k, v in by_block.items()} for kind, by_block in calls.items()}
 
 
-def gathered_after_forward(reshard, keep_gathered):
-    """Which blocks still hold gathered (plain tensor) parameters between forward and backward."""
+def gathered_after_forward(reshard, keep_gathered, embedding_group=False):
+    """Which blocks (and whether the embedding) still hold gathered (plain tensor) parameters between forward and
+    backward."""
     from torch.distributed.tensor import DTensor
 
     from fsdp_trainer import distributed
@@ -164,10 +165,12 @@ def gathered_after_forward(reshard, keep_gathered):
     distributed.init()
     model = build(ARGS, device="meta")
     apply_fsdp(model, distributed.build_mesh("cpu", 1, 2), block_types=(TransformerBlock,),
+               groups=[[model.tok_embeddings]] if embedding_group else (),
                param_dtype=torch.float32, reshard_after_forward=reshard, keep_gathered=keep_gathered)
     init_weights(model, torch.device("cpu"))
     model(torch.zeros(1, 8, dtype=torch.long)).sum()
-    return [i for i, block in enumerate(model.layers) if not isinstance(block.attention.wq.weight, DTensor)]
+    blocks = [i for i, block in enumerate(model.layers) if not isinstance(block.attention.wq.weight, DTensor)]
+    return blocks, not isinstance(model.tok_embeddings.weight, DTensor)
 
 
 @pytest.mark.parametrize("reshard,keep,gathered", [
@@ -178,7 +181,12 @@ def gathered_after_forward(reshard, keep_gathered):
     ("always", 0, []),
 ])
 def test_blocks_kept_gathered_after_forward(reshard, keep, gathered):
-    assert run_ranks(gathered_after_forward, 2, reshard, keep) == [gathered, gathered]
+    assert [blocks for blocks, _ in run_ranks(gathered_after_forward, 2, reshard, keep)] == [gathered, gathered]
+
+
+def test_the_module_kept_gathered_is_the_last_to_run_not_the_last_group_listed():
+    # The embedding is a group of its own, registered (and run) before the blocks: the last block stays gathered.
+    assert run_ranks(gathered_after_forward, 2, "default", 0, True) == [([3], False)] * 2
 
 
 @pytest.mark.parametrize("unsafe", [{"cpu_offload": True}, {"reduce_dtype": torch.bfloat16}])
@@ -197,3 +205,52 @@ def test_prefetch_two_asks_each_block_for_the_next_two_in_both_directions():
         "forward": {0: [1, 2], 1: [2, 3], 2: [3], 3: []},
         "backward": {0: [], 1: [0], 2: [1, 0], 3: [2, 1]},
     }]
+
+
+def _backward_ops_of_a_teams_model(mode):
+    torch.manual_seed(0)
+    model = Regressor()
+    apply_ac(model, (ResidualMLP,), mode)
+    x, y = _data()
+    loss = F.mse_loss(model(x[0]), y[0])
+    with OpCounter() as counter:
+        loss.backward()
+    return counter.counts
+
+
+def test_per_op_ac_keeps_the_outputs_of_linear_layers_with_a_bias():
+    """nn.Linear with a bias runs addmm, not mm: per-op AC saves its output too and recomputes only the cheap ops."""
+    base, op, full = (_backward_ops_of_a_teams_model(mode) for mode in ("none", "op", "full"))
+    # Full AC runs each of the 3 blocks' up projection again (recomputation stops before down: no backward reads
+    # its output).
+    assert full["addmm"] - base["addmm"] == 3
+    assert op["addmm"] == base["addmm"] and op["gelu"] == 3
+
+
+def test_init_weights_refuses_parameters_and_buffers_nothing_would_fill():
+    from fsdp_trainer.parallelize import init_weights
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)  # reset_parameters() fills it
+            self.scale = nn.Parameter(torch.ones(4))
+            self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+    with torch.device("meta"):
+        model = Scaled()
+    with pytest.raises(ValueError, match="cannot initialize scale, table: materialized from meta"):
+        init_weights(model, torch.device("cpu"))
+    assert model.linear.weight.is_meta  # refused before anything was allocated
+
+
+def test_the_compute_pool_reduce_scatter_refuses_to_add_into_existing_gradients():
+    """Accumulating into a gradient happens on the reduce-scatter stream and would race the compute stream's reuse
+    of the memory: refused at the moment FSDP2 asks for the output."""
+    from fsdp_trainer.parallelize import ComputePoolReduceScatter
+
+    param = nn.Parameter(torch.zeros(2))
+    comm = ComputePoolReduceScatter(None, [param])
+    param.grad = torch.ones(2)
+    with pytest.raises(RuntimeError, match="would add into gradients that already exist"):
+        comm.allocate((2,), dtype=torch.float32, device=torch.device("cpu"))

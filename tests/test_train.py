@@ -14,7 +14,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from fsdp_trainer import distributed, train
 from fsdp_trainer.data import build_dataloader
 from fsdp_trainer.models.llama import build, model_args_from_config
-from fsdp_trainer.optim import build_optimizer, build_scheduler
+from fsdp_trainer.config import parse_args
+from fsdp_trainer.optim import build_optimizer, build_scheduler, lr_at
 
 from helpers import run_ranks, tiny_config
 
@@ -190,6 +191,10 @@ def test_default_run_trains_and_writes_logs(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
     assert "tok/s" in proc.stderr and "step 30/30" in proc.stderr and "ms/step data" in proc.stderr
+    assert "data: " in proc.stderr and "stdlib" in proc.stderr  # what the run trains on
+    # Each row's learning rate is the one its step applied (step 1 warms up from lr / warmup_steps).
+    optim = parse_args([]).optim
+    assert [row["lr"] for row in rows] == pytest.approx([lr_at(row["step"] - 1, optim, 30) for row in rows])
     # The phases of a step account for most of it: the rest is logging and the loop between steps.
     step_ms = sum(rows[-1][f"{phase}_ms"] for phase in ("data", "forward_backward", "optimizer"))
     assert rows[-1]["forward_backward_ms"] > rows[-1]["optimizer_ms"] > 0 and rows[-1]["data_ms"] > 0
@@ -251,3 +256,27 @@ def test_garbage_is_collected_only_at_the_scheduled_steps(tmp_path):
     automatic = run_ranks(train_recording_collections, 2,
                           tiny_config(train={"output_dir": str(tmp_path / "b"), "steps": 7, "gc_every": 0}))[0]
     assert all(automatic["automatic"]) and collections_during_steps(automatic, 7)
+
+
+def test_a_resumed_schedule_follows_the_current_lr_and_length():
+    """Resuming with another optim.lr or train.steps: the saved step count stays, the rate comes from this run."""
+    from fsdp_trainer.optim import follow_current_schedule
+
+    def schedule(lr, steps):
+        cfg = tiny_config(optim={"lr": lr, "min_lr": lr / 10, "warmup_steps": 2})
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=cfg.optim.lr)
+        return optimizer, build_scheduler(optimizer, cfg.optim, steps), cfg.optim
+
+    optimizer, scheduler, _ = schedule(1e-3, 10)
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    saved = (optimizer.state_dict(), scheduler.state_dict())
+    optimizer, scheduler, cfg = schedule(3e-3, 20)
+    optimizer.load_state_dict(saved[0])
+    scheduler.load_state_dict(saved[1])
+    follow_current_schedule(scheduler, cfg, 20)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(4, cfg, 20))
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(5, cfg, 20))

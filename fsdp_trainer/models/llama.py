@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import warnings
-import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_trainer.loss import linear_cross_entropy
+from fsdp_trainer.parallelize import param_generator
 
 # In compiled blocks the only complex op is `view_as_real` of the RoPE table, a view that Inductor leaves to ATen at
 # no cost; its warning that complex operators may run slower than eager does not apply.
@@ -40,6 +40,11 @@ class ModelArgs:
     tie_embeddings: bool = False
 
     def __post_init__(self):
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name}={getattr(self, name)}: must be at least 1")
+        if self.ffn_hidden_dim is not None and self.ffn_hidden_dim < 1:
+            raise ValueError(f"model.ffn_hidden_dim={self.ffn_hidden_dim}: must be at least 1")
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -77,8 +82,9 @@ class ModelArgs:
             - (2 * self.n_layers + 1) * self.dim
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6 per matmul weight, plus causal attention's scores and values
-        (12 * layers * dim * seq_len, the convention MFU figures are usually quoted in)."""
+        """Training FLOPs per token: 6 per matmul weight, plus attention's scores and values counted over the whole
+        seq_len x seq_len square (12 * layers * dim * seq_len), though causal attention computes half of it: the
+        convention published MFU figures use (torchtitan's among them), kept so that they compare."""
         return 6 * self.num_matmul_params() + 12 * self.n_layers * self.dim * seq_len
 
 
@@ -222,8 +228,10 @@ class Transformer(nn.Module):
     def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Fill the full (unsharded) tensor of parameter `name`.
 
-        Embeddings N(0, 1); projections into the residual stream (wo, w2) with std scaled down by depth so the
-        residual's variance does not grow with n_layers; other linears 0.02; norms 1."""
+        Truncated normals (at 3 std): the embedding std 1, or 0.02 when tied to the output projection; the untied
+        output projection dim**-0.5, so the first logits are about unit scale; projections into the residual stream
+        (wo, w2) 0.02 scaled down by depth so the residual's variance does not grow with n_layers; other linears
+        0.02. Norms 1."""
         if name.endswith("norm.weight"):
             tensor.fill_(1.0)
             return
@@ -242,11 +250,6 @@ class Transformer(nn.Module):
         self.init_buffers()
         for name, param in self.named_parameters():
             self.init_param(name, param, param_generator(seed, name, param.device))
-
-
-def param_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
-    """A generator for one parameter: a pure function of (seed, name), never of rank or world size."""
-    return torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
 def build(args: ModelArgs, device: torch.device | str = "meta") -> Transformer:
