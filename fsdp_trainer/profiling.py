@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -126,12 +125,13 @@ class StepProfiler:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
+            # The earlier steps' kernels still queued would land in the trace and in its per-step breakdown.
+            torch.cuda.synchronize(self.device)
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             if self.memory_snapshot:
                 torch.cuda.memory._record_memory_history(max_entries=200_000)
         self.profiler = torch.profiler.profile(activities=activities)
         self.profiler.start()
-        self.started = time.perf_counter()
 
     def after(self, step: int) -> None:
         if self.profiler is None or step != self.range[1]:
