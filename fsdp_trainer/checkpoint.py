@@ -983,7 +983,7 @@ def _hf_full_tensors(folder: Path, args: ModelArgs,
         raise CheckpointError(f"hf:{folder}: no config.json; expected a Hugging Face Llama model folder")
     _check_hf_config(folder, args)
     files, theirs = _hf_tensor_files(folder), _hf_names(args.n_layers)
-    if args.tie_embeddings or theirs["output.weight"] not in files:  # HF omits lm_head.weight when tied
+    if args.tie_embeddings:  # HF omits lm_head.weight when tied; untied, its absence is an error below
         theirs["output.weight"] = theirs["tok_embeddings.weight"]
     problems = []
     for name, expected in shapes.items():

@@ -16,24 +16,30 @@ What it does, in order; the exit status is 0 only if every step passed:
 2. Checks: all_reduce, all_gather, reduce_scatter, broadcast (from rank 0) and a send/recv ring, on the group's
    device (NCCL on GPU, gloo on CPU), at a small and a large message size (NCCL switches protocol between them).
    Every rank contributes distinct small integers, so every element of every result has an exact expected value.
-3. Bandwidth: all_reduce, all_gather and reduce_scatter over --sizes (powers of 4), the median of --iters timed
-   runs. algbw = size / time and busbw as nccl-tests defines them (size is the full, unsharded buffer), so the
-   table compares with `all_reduce_perf -b 1K -e 1G -f 4`. Skipped once a check has failed.
+3. Bandwidth: all_reduce, all_gather and reduce_scatter over --sizes (powers of 4), the mean time of --iters runs
+   back to back (CUDA events on GPU), as nccl-tests times them. algbw = size / time and busbw as nccl-tests
+   defines them (size is the full, unsharded buffer), so the table compares with
+   `all_reduce_perf -b 1K -e 1G -f 4`. Skipped once a check has failed.
 
 How a hang is caught: before each step a rank writes an arrival key to the c10d store and after it a done key
 (the store is a TCP side channel, so it works while the collectives do not). A watchdog timer per step fires
-after --deadline-s: rank 0 then reads the keys, names the ranks that never arrived (with the last step they did
-reach) or that are stuck inside, prints the report and leaves with os._exit(1), because a rank blocked in a
-collective cannot shut down cleanly. The other ranks wait for that report before they exit, since torchrun
-kills every rank as soon as one fails.
+after --deadline-s: rank 0 then reads the keys and names the suspects: ranks that never arrived (with the last
+step they did reach) and ranks that left the step with an error (out of memory, say), for which the others are
+still waiting inside the collective. Where every rank is stuck inside the send/recv ring, each rank's completed
+receives name the links that never delivered, within a host or between hosts. Rank 0 prints the report and
+leaves with os._exit(1), because a rank blocked in a collective cannot shut down cleanly. The other ranks wait
+for that report before they exit, since torchrun kills every rank as soon as one fails.
 
 --try-fixes (single node only; run it as a plain process, it starts the groups itself): runs the doctor in a
 fresh group of --nproc ranks; if that fails, again with each candidate setting until one passes, cheapest first:
 NCCL_NVLS_ENABLE=0, NCCL_SHM_DISABLE=1, NCCL_IB_DISABLE=1, NCCL_SOCKET_IFNAME=<each interface>, NCCL_P2P_DISABLE=1
-(on CPU: GLOO_SOCKET_IFNAME=<each interface>).
+(on CPU: GLOO_SOCKET_IFNAME=<each interface>). Loopback and container or VM bridges (docker0, veth*, virbr*) are
+not tried: they pass on one node, and fail the first run that spans nodes.
 
 Fault injection, for the tests: FSDP_TRAINER_DOCTOR_FAULT=hang:rank=1 makes rank 1 block before its first
-collective check; FSDP_TRAINER_DOCTOR_FAULT=wrong:rank=1 makes rank 1 add 1 to everything it contributes.
+collective check; wrong:rank=1 makes rank 1 add 1 to everything it contributes; raise:rank=1 makes rank 1 raise
+where it would contribute to its first check (as out of memory would), leaving the others inside the collective;
+drop:rank=1 makes rank 1's ring sends never leave, as over a dead link.
 """
 
 from __future__ import annotations
@@ -45,7 +51,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -111,7 +116,7 @@ class DoctorArgs:
     sizes: str = "auto"
     """Bandwidth sizes, powers of 4: "1K..1G", a top ("64M" = 1K..64M) or "0"; auto: 1K..1G on GPU, 1K..16M on CPU."""
     iters: int = 20
-    """Timed runs per bandwidth size, after 3 warm-up runs; the table shows the median."""
+    """Runs per bandwidth size, timed back to back after 3 warm-up runs; the table shows their mean."""
     try_fixes: bool = False
     """Single node, plain process only (not torchrun): rerun in fresh groups, then with each fix until one passes."""
     nproc: int = 0
@@ -227,10 +232,20 @@ def _ranks(ranks) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
+# Loopback and the bridges and veth pairs of containers and VMs reach this host only: a socket setting that passes
+# on them in a one-node run is wrong advice for a run that spans nodes.
+_HOST_ONLY_INTERFACE = re.compile(r"lo|docker\d+|veth.*|virbr.*|br-.*|cni\d+|ifb\d+")
+
+
+def _network_interfaces() -> list[str]:
+    """This host's interfaces that may reach other hosts: the ones worth pinning NCCL or gloo to."""
+    return [name for _, name in socket.if_nameindex() if not _HOST_ONLY_INTERFACE.fullmatch(name)]
+
+
 def _hints(report: dict) -> list[str]:
     """Settings to try for a failed or hung step, most telling first. Runs on rank 0, so its host is this one."""
     env = report["environment"]
-    ifaces = ", ".join(name for _, name in socket.if_nameindex())
+    ifaces = ", ".join(_network_interfaces()) or "none but loopback and bridges"
     hints = [w for w in env.get("warnings", []) if "/dev/shm" in w]
     if env.get("backend") == "nccl":
         hints += [
@@ -246,6 +261,25 @@ def _hints(report: dict) -> list[str]:
     hints.append("python -m fsdp_trainer.doctor --try-fixes --nproc N: tries these one at a time on this node")
     already = {f"{k}={v}" for k, v in os.environ.items()}
     return [h for h in hints if h.split(":")[0] not in already]  # no advice to set what is set already
+
+
+def _link_verdict(links: list[list[int]], facts: dict[int, dict], nccl: bool) -> str:
+    """Which transport the links that never delivered use. NCCL moves data within a host by GPU peer-to-peer or
+    shared memory and between hosts over the network, so the kind of link that hangs tells which one is broken."""
+    host = {r: f["host"] for r, f in facts.items()}
+    within = [(p, r) for p, r in links if host[p] == host[r]]
+    between = [(p, r) for p, r in links if host[p] != host[r]]
+    text = "no data arrived over " + ", ".join([f"{p} -> {r} (within {host[r]})" for p, r in within]
+                                                + [f"{p} -> {r} ({host[p]} -> {host[r]})" for p, r in between])
+    if not nccl:
+        return text + ": gloo sends over TCP; set GLOO_SOCKET_IFNAME to an interface every host can reach"
+    if within:
+        text += (". Within a host: GPU peer-to-peer (NVLink/PCIe) or shared memory; try NCCL_P2P_DISABLE=1, then "
+                 "NCCL_SHM_DISABLE=1")
+    if between:
+        text += (". Between hosts: the network; try NCCL_IB_DISABLE=1, or NCCL_SOCKET_IFNAME=<the interface the "
+                 "hosts reach each other on>")
+    return text
 
 
 class Doctor:
@@ -301,12 +335,16 @@ class Doctor:
             self.store.set(f"doctor/{name}/arrived/{self.rank}", "")
             try:
                 result = body()
-            except Exception as e:  # reported per rank; a rank left behind in the collective trips the deadline
+            except Exception as e:  # e.g. out of memory: reported per rank, as the suspect if others are left waiting
                 result = {"error": f"{type(e).__name__}: {e}".strip()}
             self.store.set(f"doctor/{name}/done/{self.rank}", json.dumps(result))
-            if self.rank != 0:
-                return None
             keys = [f"doctor/{name}/done/{r}" for r in range(self.n)]
+            if self.rank != 0:
+                if "error" in result:
+                    # The others may still sit in the collective this rank left, and its next collective would
+                    # pair with theirs (ranks match collectives by order). So it waits; the deadline names it.
+                    self._wait_for(keys)
+                return None
             self._wait_for(keys)  # a rank that never finishes is the watchdog's to report
             return [json.loads(self.store.get(k)) for k in keys]
 
@@ -341,27 +379,52 @@ class Doctor:
 
         missing = [r for r in range(self.n) if not has(f"doctor/{name}/arrived/{r}")]
         stuck = [r for r in range(self.n) if r not in missing and not has(f"doctor/{name}/done/{r}")]
+        done = {r: json.loads(self.store.get(f"doctor/{name}/done/{r}")) for r in range(self.n)
+                if r not in missing + stuck}
+        failed = {r: result["error"] for r, result in done.items() if "error" in result}
+        suspects = sorted([*missing, *failed])
         facts = {f["rank"]: f for f in self.report["environment"].get("ranks", [])}
+
+        def where(r: int) -> str:
+            return f" ({facts[r]['host']} pid {facts[r]['pid']})" if r in facts else ""
+
         parts = []
         for r in missing:
-            where = f" ({facts[r]['host']} pid {facts[r]['pid']})" if r in facts else ""
             last = self.store.get(f"doctor/last/{r}").decode() if has(f"doctor/last/{r}") else "init"
-            parts.append(f"rank {r}{where} never arrived; the last step it reached was {last!r}")
+            parts.append(f"rank {r}{where(r)} never arrived; the last step it reached was {last!r}")
+        parts += [f"rank {r}{where(r)} failed: {e}" for r, e in failed.items()]
         if missing:
             self.report["hints"].append("a rank that never arrived is stuck or dead outside the collective: "
                                         "`py-spy dump --pid PID` on its host shows where")
-        if stuck:
-            parts.append(f"rank(s) {_ranks(stuck)} are waiting inside it" if missing else
-                         f"rank(s) {_ranks(stuck)} arrived but are stuck inside it: the transport itself hangs "
+        if failed:
+            self.report["hints"].append("a rank that failed left the others waiting inside the collective: fix "
+                                        "its error first (out of memory at the largest bandwidth sizes: pass a "
+                                        "smaller --sizes, e.g. --sizes 256M)")
+        links = self._undelivered(stuck) if name == "send_recv_ring" and stuck and not suspects else []
+        if stuck and suspects:
+            parts.append(f"rank(s) {_ranks(stuck)} are waiting inside it for rank(s) {_ranks(suspects)}")
+        elif links:
+            parts.append(f"rank(s) {_ranks(stuck)} are stuck inside it; "
+                         + _link_verdict(links, facts, self.info.backend == "nccl"))
+        elif stuck:
+            parts.append(f"rank(s) {_ranks(stuck)} arrived but are stuck inside it: the transport itself hangs "
                          "(see the settings below)")
-        failed = [r for r in range(self.n) if r not in missing + stuck]
-        errors = [json.loads(self.store.get(f"doctor/{name}/done/{r}")).get("error") for r in failed]
-        parts += [f"rank {r} failed: {e}" for r, e in zip(failed, errors) if e]
-        self.report["checks"].append({"name": name, "ok": False, "timed_out": True, "ranks": missing or stuck,
-                                      "suspects": missing,
-                                      "error": f"no result within {self.args.deadline_s:g} s: " + "; ".join(parts)})
+        entry = {"name": name, "ok": False, "timed_out": True, "ranks": suspects or stuck, "suspects": suspects,
+                 "error": f"no result within {self.args.deadline_s:g} s: " + "; ".join(parts)}
+        if links:
+            entry["links"] = links
+        self.report["checks"].append(entry)
         self._finish()
         _exit(1)
+
+    def _undelivered(self, stuck: list[int]) -> list[list[int]]:
+        """The ring's links [prev, rank] that never delivered: the stuck ranks without a receive at the first size
+        where any is missing. A rank that got past that size and waits at the next one waits for a laggard."""
+        for count in self.check_counts:
+            late = [r for r in stuck if not self.store.check([f"doctor/ring/{count}/recv/{r}"])]
+            if late:
+                return [[(r - 1) % self.n, r] for r in late]
+        return []
 
     def _init_failed(self, what: str) -> None:
         """No group, so no store: each rank reports for itself, and rank 0 writes the report."""
@@ -395,7 +458,9 @@ class Doctor:
     def _check(self, name: str, check: Callable[[int], tuple[Optional[str], list[int]]]) -> None:
         def body() -> dict:
             result = {}
-            for count in self.check_counts:  # every size on every rank, even after a wrong one: ranks stay in step
+            # Every size, even after a wrong result, so that the ranks stay in step. An exception ends the check on
+            # the rank that raised it only; _step holds that rank until the others are done or the deadline fires.
+            for count in self.check_counts:
                 wrong, sources = check(count)
                 if wrong and not result:
                     result = {"wrong": f"{count} elements/rank: {wrong}", "sources": sources}
@@ -418,6 +483,8 @@ class Doctor:
         self.report["checks"].append(entry)
 
     def _contribution(self, count: int) -> torch.Tensor:
+        if self.fault == ("raise", self.rank):
+            raise RuntimeError(f"injected fault ({FAULT_VAR}): rank {self.rank} raised before the collective")
         x = _pattern(self.rank, count, self.device)
         if self.fault == ("wrong", self.rank):
             x += 1
@@ -448,10 +515,26 @@ class Doctor:
     def _ring(self, count: int):
         prev, send = (self.rank - 1) % self.n, self._contribution(count)
         recv = torch.full((count,), -1.0, device=self.device)
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (self.rank + 1) % self.n),
-                                            dist.P2POp(dist.irecv, recv, prev)]):
-            work.wait()
-        wrong = _mismatch(recv, _pattern(prev, count, self.device))
+
+        def post_send():  # the injected dead link: this rank's sends never leave
+            return None if self.fault == ("drop", self.rank) else dist.isend(send, (self.rank + 1) % self.n)
+
+        # Single sends and receives, not one batch: NCCL completes a batch as one piece of work, and a hang report
+        # needs to know which receive never completed. Even ranks send first and odd ranks receive first, so where
+        # a send and a receive share one NCCL stream (two ranks) each send meets a posted receive.
+        if self.rank % 2:
+            receiving = dist.irecv(recv, prev)
+            sending = post_send()
+        else:
+            sending = post_send()
+            receiving = dist.irecv(recv, prev)
+        receiving.wait()
+        if self.device.type == "cuda":  # NCCL's wait() only orders the stream; the host must see the data arrive
+            torch.cuda.current_stream().synchronize()
+        self.store.set(f"doctor/ring/{count}/recv/{self.rank}", "")  # link prev -> rank delivered, for the report
+        if sending:
+            sending.wait()
+        wrong = _mismatch(recv, _pattern(prev, count, self.device))  # its host sync waits for the send as well
         return (f"from rank {prev}: {wrong}", [prev]) if wrong else (None, [])
 
     # -- bandwidth -----------------------------------------------------------------------------------------------
@@ -466,7 +549,10 @@ class Doctor:
                 if self.rank != 0:
                     continue
                 errors = {r: res["error"] for r, res in enumerate(results) if "error" in res}
-                if errors:  # e.g. out of memory at the largest sizes; every rank goes on, so they stay in step
+                # Every rank got here, each with a time or an error (e.g. out of memory at the largest sizes on
+                # every rank), so all go on to the next size together. A rank that raised alone is not here: it left
+                # the others inside the collective, and the deadline reports it.
+                if errors:
                     self.report["checks"].append({"name": f"bandwidth {op} {_fmt_bytes(size)}", "ok": False,
                                                   "ranks": sorted(errors), "error": "; ".join(
                                                       f"rank {r} raised {e}" for r, e in errors.items())})
@@ -481,15 +567,23 @@ class Doctor:
         full, part = torch.ones(count, device=self.device), torch.ones(shard, device=self.device)
         run = {"all_reduce": partial(dist.all_reduce, full), "all_gather": partial(_all_gather, full, part),
                "reduce_scatter": partial(_reduce_scatter, part, full)}[op]
-        times = []
-        for i in range(3 + self.args.iters):
-            self.sync()  # NCCL calls return before the GPU is done: time from idle to idle
-            start = time.perf_counter()
+        for _ in range(3):  # the first runs set up connections and buffers
             run()
-            self.sync()
-            if i >= 3:  # the first runs set up connections and buffers
-                times.append(time.perf_counter() - start)
-        return {"seconds": statistics.median(times)}
+        # One timing around all the runs, back to back, as nccl-tests and benchmarks/collectives.py take it: a sync
+        # after each run would add its own latency (tens of microseconds) to each, and swamp the small sizes.
+        iters = self.args.iters
+        if self.device.type == "cuda":  # events on the stream time the GPU's work, not the host's launches
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                run()
+            end.record()
+            end.synchronize()
+            return {"seconds": start.elapsed_time(end) / 1e3 / iters}
+        start = time.perf_counter()
+        for _ in range(iters):
+            run()  # gloo's collectives return when they are done
+        return {"seconds": (time.perf_counter() - start) / iters}
 
     # -- the end -------------------------------------------------------------------------------------------------
 
@@ -582,7 +676,7 @@ def render_bandwidth(report: dict, out) -> None:
         if not all(c["ok"] for c in report["checks"]):
             print("== bandwidth: not measured, a check failed ==", file=out)
         return
-    print("== bandwidth (float32, median time; busbw as nccl-tests) ==", file=out)
+    print("== bandwidth (float32, mean time of back-to-back runs; busbw as nccl-tests) ==", file=out)
     print(f"  {'size':>9}  {'op':<15} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}", file=out)
     for r in rows:
         print(f"  {_fmt_bytes(r['bytes']):>9}  {r['op']:<15} {r['time_us']:>10.1f} {r['algbw_gbps']:>12.2f} "
@@ -606,7 +700,7 @@ def render_verdict(report: dict, out) -> None:
 # -- --try-fixes -------------------------------------------------------------------------------------------------
 
 def _candidates(nccl: bool) -> list[tuple[str, str]]:
-    interfaces = [name for _, name in socket.if_nameindex()]
+    interfaces = _network_interfaces()
     if not nccl:
         candidates = [("GLOO_SOCKET_IFNAME", i) for i in interfaces]
     else:  # cheapest first, so the first that passes is the one to keep: disabling P2P costs the most bandwidth
@@ -680,8 +774,8 @@ def _parse_fault(spec: str) -> Optional[tuple[str, int]]:
     if not spec:
         return None
     kind, _, target = spec.partition(":")
-    if kind not in ("hang", "wrong") or not target.startswith("rank=") or not target[5:].isdigit():
-        raise SystemExit(f"{FAULT_VAR}={spec!r}: expected hang:rank=N or wrong:rank=N")
+    if kind not in ("hang", "wrong", "raise", "drop") or not target.startswith("rank=") or not target[5:].isdigit():
+        raise SystemExit(f"{FAULT_VAR}={spec!r}: expected hang, wrong, raise or drop, then :rank=N (e.g. hang:rank=1)")
     return kind, int(target[5:])
 
 
@@ -693,8 +787,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.try_fixes:
         sys.exit(try_fixes(args))
     code = Doctor(args, _parse_fault(os.environ.get(FAULT_VAR, ""))).run()
+    if code:  # after a failed collective, NCCL's teardown can block for good; the report is out, so just go
+        _exit(code)
     distributed.shutdown()
-    sys.exit(code)
+    sys.exit(0)
 
 
 if __name__ == "__main__":

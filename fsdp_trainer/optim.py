@@ -57,10 +57,10 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
 
     For sharded (DTensor) gradients each rank's norm covers only its shard; `full_tensor()` all-reduces the
     partial norms so that clipping and logging use the norm of the whole gradient."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total_norm = get_total_norm(grads, norm_type=2.0, foreach=True)
+    params = [p for p in model.parameters() if p.grad is not None]
+    total_norm = get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()
     if max_norm > 0:
-        clip_grads_with_norm_(grads, max_norm, total_norm, foreach=True)
+        clip_grads_with_norm_(params, max_norm, total_norm, foreach=True)  # takes the parameters, not the grads
     return total_norm

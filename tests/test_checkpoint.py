@@ -345,6 +345,8 @@ def test_export_and_import_round_trip(tmp_path, tied):
     wider = model_args_from_config(parse_args([*TINY, "--model.dim", "128"]).model)
     with pytest.raises(ck.CheckpointError, match="dim=128 here but 64 there.*--model.dim 64"):
         ck.load_weights(build(wider, device="cpu"), f"hf:{tmp_path / 'export'}", wider)
+    if not tied:
+        assert_sharded_hf_folders_load_and_a_missing_lm_head_is_named(tmp_path, cfg, trained)
     transformers = pytest.importorskip("transformers")
     args = model_args_from_config(cfg.model)
     ours = build(args, device="cpu")
@@ -354,6 +356,29 @@ def test_export_and_import_round_trip(tmp_path, tied):
     tokens = torch.randint(args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(theirs(tokens).logits, ours(tokens), atol=1e-5, rtol=1e-5)
+
+
+def assert_sharded_hf_folders_load_and_a_missing_lm_head_is_named(tmp_path, cfg, trained) -> None:
+    """Released Llama checkpoints come in several files listed by model.safetensors.index.json; an untied model
+    without lm_head.weight is an error, not the embedding reused as the output layer."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "export/model.safetensors")
+    names = sorted(tensors)
+    split, headless = tmp_path / "split", tmp_path / "headless"
+    weight_map = {}
+    for folder in (split, headless):
+        folder.mkdir()
+        shutil.copy(tmp_path / "export/config.json", folder)
+    for index, part in enumerate((names[:len(names) // 2], names[len(names) // 2:]), 1):
+        save_file({name: tensors[name] for name in part}, split / f"model-{index}-of-2.safetensors")
+        weight_map.update({name: f"model-{index}-of-2.safetensors" for name in part})
+    (split / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert_init_from_gives(cfg, f"hf:{split}", trained)
+    save_file({name: t for name, t in tensors.items() if name != "lm_head.weight"}, headless / "model.safetensors")
+    args = model_args_from_config(cfg.model)
+    with pytest.raises(ck.CheckpointError, match="lm_head.weight is missing"):
+        ck.load_weights(build(args, device="cpu"), f"hf:{headless}", args)
 
 
 def assert_init_from_gives(cfg, source: str, want: dict[str, torch.Tensor]) -> None:

@@ -1,9 +1,9 @@
 """Data: shards, prepare, sample content and order, world-size independent steps, resume, errors (CPU, seconds)."""
 
-import importlib.util
 import json
 import multiprocessing
 import pickle
+import sys
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -99,8 +99,8 @@ def test_prepare_refuses_bad_inputs(tmp_path):
         prepare([str(tmp_path / "ok.txt")], str(tmp_path / "o4"))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is not None, reason="tokenizers is installed")
-def test_prepare_without_tokenizers_package(tmp_path):
+def test_prepare_without_tokenizers_package(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail, installed or not
     (tmp_path / "ok.txt").write_text("x")
     with pytest.raises(ValueError, match="pip install tokenizers"):
         prepare([str(tmp_path / "ok.txt")], str(tmp_path / "out"), tokenizer=str(tmp_path / "tokenizer.json"))

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_trainer import doctor
 from fsdp_trainer.doctor import FAULT_VAR, DoctorArgs, bus_factor, parse_sizes
@@ -42,6 +43,44 @@ def test_sizes_and_bus_bandwidth_factors():
     # nccl-tests: all_reduce moves 2(n-1)/n of the buffer per rank, all_gather and reduce_scatter (n-1)/n.
     assert bus_factor("all_reduce", 8) == 2 * 7 / 8
     assert bus_factor("all_gather", 4) == bus_factor("reduce_scatter", 4) == 3 / 4
+
+
+def test_bandwidth_runs_are_timed_back_to_back(monkeypatch):
+    # A host sync that costs 20 ms here: timed around each run, it would be the whole of each run's time.
+    monkeypatch.setattr(doctor.dist, "all_reduce", lambda x: None)
+    d = doctor.Doctor(DoctorArgs(iters=10, sizes="0"), None)
+    d.n, d.device, d.sync = 2, torch.device("cpu"), lambda: time.sleep(0.02)
+    assert d._time("all_reduce", 1024)["seconds"] < 0.002
+
+
+def test_try_fixes_offers_no_loopback_or_bridge(monkeypatch):
+    # They pass on one node, so the fix found would break the first run across nodes.
+    names = ["lo", "eno1", "docker0", "veth3a1f", "virbr0", "br-5e2c1a", "cni0", "ib0"]
+    monkeypatch.setattr(doctor.socket, "if_nameindex", lambda: list(enumerate(names, 1)))
+    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.delenv(var, raising=False)
+    assert [v for k, v in doctor._candidates(nccl=True) if k == "NCCL_SOCKET_IFNAME"] == ["eno1", "ib0"]
+    assert doctor._candidates(nccl=False) == [("GLOO_SOCKET_IFNAME", "eno1"), ("GLOO_SOCKET_IFNAME", "ib0")]
+
+
+def test_link_verdict_tells_a_host_s_transport_from_the_network():
+    facts = {r: {"host": "a" if r < 2 else "b"} for r in range(4)}
+    within = doctor._link_verdict([[0, 1]], facts, nccl=True)
+    assert "0 -> 1 (within a)" in within and "NCCL_P2P_DISABLE=1" in within and "Between hosts" not in within
+    between = doctor._link_verdict([[1, 2]], facts, nccl=True)
+    assert "1 -> 2 (a -> b)" in between and "NCCL_IB_DISABLE=1" in between and "Within a host" not in between
+
+
+def test_failed_run_exits_without_waiting_on_the_group_teardown():
+    # Stand-in for NCCL's teardown after a failed collective, which can block for good.
+    script = ("import threading\n"
+              "from fsdp_trainer import distributed, doctor\n"
+              "distributed.shutdown = threading.Event().wait\n"
+              "doctor.main(['--sizes', '0'])\n")
+    env = os.environ | {"PYTHONPATH": str(ROOT), FAULT_VAR: "wrong:rank=0"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1 and "== result: FAIL ==" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_iters_below_1_is_refused_before_anything_runs():
@@ -89,7 +128,10 @@ def test_four_ranks_healthy_json():
     rows = report["bandwidth"]
     assert {(r["op"], r["bytes"]) for r in rows} == {(op, size) for op in ("all_reduce", "all_gather", "reduce_scatter")
                                                      for size in parse_sizes("1M")}
-    assert all(r["busbw_gbps"] > 0 and r["time_us"] > 0 for r in rows)
+    for r in rows:  # nccl-tests' definitions: algbw = bytes / time, busbw = algbw x 2(n-1)/n or (n-1)/n
+        assert r["time_us"] > 0
+        assert r["algbw_gbps"] == pytest.approx(r["bytes"] / (r["time_us"] * 1e-6) / 1e9)
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * (1.5 if r["op"] == "all_reduce" else 0.75))
 
 
 @pytest.mark.slow
@@ -129,3 +171,28 @@ def test_try_fixes_finds_the_setting_that_passes(monkeypatch, capsys):
     assert code == 1 and not result["ok"] and not result["baseline"]["ok"]  # unchanged, it still fails
     assert result["fix"] == f"{FAULT_VAR}=" and result["attempts"][0]["ok"]
     assert "(unchanged)" in err and f"fix: export {FAULT_VAR}=" in err
+
+
+@pytest.mark.slow
+def test_rank_that_raised_is_the_suspect_not_the_ranks_left_waiting():
+    deadline = 5
+    proc, seconds = run_doctor("--json", "--deadline-s", str(deadline), nproc=2, fault="raise:rank=1")
+    assert proc.returncode != 0 and seconds < deadline + 20, f"took {seconds:.1f} s"
+    failed = json.loads(proc.stdout)["checks"][-1]
+    assert failed["name"] == "all_reduce" and failed["timed_out"]
+    assert failed["suspects"] == [1] and failed["ranks"] == [1]
+    assert "rank 1" in failed["error"] and "failed: RuntimeError: injected fault" in failed["error"]
+    assert "rank(s) 0 are waiting inside it for rank(s) 1" in failed["error"]
+    assert "transport itself hangs" not in failed["error"] and "suspect rank(s): 1 " in proc.stderr
+
+
+@pytest.mark.slow
+def test_ring_hang_names_the_link_that_never_delivered():
+    deadline = 5
+    proc, seconds = run_doctor("--json", "--deadline-s", str(deadline), nproc=3, fault="drop:rank=1")
+    assert proc.returncode != 0 and seconds < deadline + 20, f"took {seconds:.1f} s"
+    failed = json.loads(proc.stdout)["checks"][-1]
+    assert failed["name"] == "send_recv_ring" and failed["timed_out"]
+    # Rank 1's sends never leave: rank 2 waits on it, and rank 0, a size further on, waits on rank 2.
+    assert failed["links"] == [[1, 2]], failed["error"]
+    assert "no data arrived over 1 -> 2 (within " in failed["error"] and "GLOO_SOCKET_IFNAME" in failed["error"]

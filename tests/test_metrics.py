@@ -21,7 +21,7 @@ def test_phases_are_averaged_per_step_and_the_time_between_steps_is_left_out():
             timer.lap("forward_backward")
         time.sleep(0.02)
         timer.lap("optimizer")
-        time.sleep(0.3)  # logging, checkpoints: no phase
+        time.sleep(1.0)  # logging, checkpoints: no phase (far above the bounds below, so a leak cannot hide)
     phases = timer.read()
     assert set(phases) == {"data_ms", "forward_backward_ms", "optimizer_ms"}
     assert 20 <= phases["data_ms"] < 150

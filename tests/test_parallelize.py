@@ -254,3 +254,16 @@ def test_the_compute_pool_reduce_scatter_refuses_to_add_into_existing_gradients(
     param.grad = torch.ones(2)
     with pytest.raises(RuntimeError, match="would add into gradients that already exist"):
         comm.allocate((2,), dtype=torch.float32, device=torch.device("cpu"))
+
+
+def test_every_group_gathers_in_param_dtype_and_reduces_in_float32(monkeypatch):
+    """bfloat16 compute with float32 gradient reduction, for every fully_shard call (FSDP2 would otherwise reduce
+    in the compute dtype, a precision loss no loss curve at this size would show)."""
+    from fsdp_trainer import parallelize
+
+    policies = []
+    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: policies.append(kwargs["mp_policy"]))
+    model = build(ARGS, device="meta")
+    apply_fsdp(model, None, block_types=(TransformerBlock,), groups=[[model.tok_embeddings], [model.norm, model.output]])
+    assert len(policies) == ARGS.n_layers + 3
+    assert {(p.param_dtype, p.reduce_dtype) for p in policies} == {(torch.bfloat16, torch.float32)}

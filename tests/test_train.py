@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdp_trainer import distributed, train
@@ -36,25 +38,42 @@ def train_and_gather(cfg):
 
 
 def reference_run(cfg, world_size: int):
-    """Unsharded float32 training in one process, the global batch of `world_size` ranks in each micro-batch."""
-    torch.manual_seed(cfg.train.seed)
+    """Unsharded float32 training in one process, the global batch of `world_size` ranks in each micro-batch, in
+    plain torch: AdamW, clip_grad_norm_ and the warmup + cosine schedule spelled out here, not the trainer's."""
+    o, t = cfg.optim, cfg.train
+    assert o.schedule == "cosine"
+    torch.manual_seed(t.seed)
     args = model_args_from_config(cfg.model)
     model = build(args, device="cpu")
-    model.init_weights(cfg.train.seed)
-    optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    t = cfg.train
-    loader = build_dataloader(cfg.data, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size * world_size,
-                              grad_accum_steps=t.grad_accum_steps, dp_rank=0, dp_size=1,
-                              vocab_size=args.vocab_size)
-    batches = iter(loader)
-    single = copy.deepcopy(cfg)
-    single.parallel.defer_grad_sync = False
-    single.train.loss_chunk_tokens = 0  # the reference takes the cross-entropy of the full logits
+    model.init_weights(t.seed)
+    optimizer = torch.optim.AdamW([
+        {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ], lr=o.lr, betas=o.betas, eps=o.eps)
+
+    def lr(step):
+        if step < o.warmup_steps:
+            return o.lr * (step + 1) / o.warmup_steps
+        progress = min(1.0, (step - o.warmup_steps) / max(1, t.steps - o.warmup_steps))
+        return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
+
+    batches = iter(build_dataloader(cfg.data, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size * world_size,
+                                    grad_accum_steps=t.grad_accum_steps, dp_rank=0, dp_size=1,
+                                    vocab_size=args.vocab_size))
     history = []
-    for step in range(1, t.steps + 1):
-        loss, norm = train.train_step(model, optimizer, scheduler, batches, single, None, torch.device("cpu"))
-        history.append({"step": step, "loss": loss.item(), "grad_norm": norm.item()})
+    for step in range(t.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr(step)
+        loss_sum = 0.0
+        for _ in range(t.grad_accum_steps):
+            inputs, labels = next(batches)
+            loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten()) / t.grad_accum_steps
+            loss.backward()
+            loss_sum += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip or math.inf)
+        optimizer.step()
+        optimizer.zero_grad()
+        history.append({"step": step + 1, "loss": loss_sum, "grad_norm": norm.item()})
     return history, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
