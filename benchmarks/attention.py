@@ -8,13 +8,14 @@ Forward+backward of causal attention, 32 query heads, 8 KV heads, head dim 128, 
 from __future__ import annotations
 
 import argparse
-import sys
+import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from results import result_dir, write_results
+from results import write_results
 
 BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -32,6 +33,15 @@ def time_ms(fn, iters: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
+def fwd_bwd(attend, inputs: tuple[torch.Tensor, ...], backend) -> None:
+    """One forward+backward on `backend` (None: the default choice) from fresh gradients, as after a training
+    step's zero_grad(set_to_none=True): accumulating into the previous ones would time an extra add per input."""
+    for t in inputs:
+        t.grad = None
+    with sdpa_kernel([backend]) if backend else contextlib.nullcontext():
+        attend().sum().backward()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", type=int, default=8192)
@@ -47,18 +57,15 @@ def main() -> None:
     rows = []
     for layout, attend in layouts.items():
         for backend, kind in BACKENDS.items():
-            def step():
-                with sdpa_kernel([kind]) if kind else torch.enable_grad():
-                    attend().sum().backward()
             try:
-                ms = time_ms(step)
+                ms = time_ms(functools.partial(fwd_bwd, attend, (q, k, v), kind))
             except RuntimeError as err:
                 rows.append({"layout": layout, "backend": backend, "error": str(err).splitlines()[0][:80]})
                 continue
             rows.append({"layout": layout, "backend": backend, "fwd_bwd_ms": round(ms, 3)})
     for r in rows:
         print(f"{r['layout']:>18}  {r['backend']:>9}  {r.get('fwd_bwd_ms', r.get('error'))}")
-    write_results(result_dir(1), "attention", rows, command=" ".join([sys.executable, *sys.argv]))
+    write_results("attention", rows, gpus=1)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 
     python benchmarks/checkpoint_io.py --config configs/llama3_8b.toml --nproc 4
 
-For each checkpoint.async_mode (and each --write-threads count) it trains `--steps` steps saving every `--interval`, then resumes once from the
-last checkpoint (load time). Numbers come from the trainer's own log lines; the checkpoints go to --dir (a fast
-local disk with 12 bytes/parameter free for each checkpoint kept) and are deleted afterwards.
+For each checkpoint.async_mode (and each --write-threads count) it trains `--steps` steps saving every `--interval`,
+then resumes once from the last checkpoint (load time), after evicting the checkpoint's files from the page cache so
+that the load reads the disk. Numbers come from the trainer's own log lines; a failed run is a row with its error.
+The checkpoints go to --dir (a fast local disk with 12 bytes/parameter free for each checkpoint kept) and are
+deleted afterwards.
 """
 
 from __future__ import annotations
@@ -12,33 +14,79 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from results import result_dir, write_results
+from results import exit_if_failed, print_table, write_results
+from runs import error_line, run, train_command
 
 BLOCKED = re.compile(r"checkpoint step (\d+) \((\w+)\): training blocked ([\d.]+) s"
                      r"(?: \(of which ([\d.]+) s waiting for the previous save\))?")
 COMPLETE = re.compile(r"complete: ([\d.]+) GB in ([\d.]+) s \(([\d.]+) GB/s")
 STAGING = re.compile(r"checkpoint staging: ([\d.]+) GB of .*allocated in ([\d.]+) s")
 LOADED = re.compile(r"loaded .*: ([\d.]+) GB in ([\d.]+) s \(([\d.]+) GB/s\)")
+COLUMNS = [("run", "label", "{}"), ("buffers s", "staging_alloc_s", "{:.1f}"),
+           ("first block s", "first_blocked_s", "{:.2f}"), ("block s", "blocked_s", "{:.2f}"),
+           ("of which wait s", "waited_s", "{:.2f}"), ("GB", "gb", "{:.1f}"), ("save s", "save_s", "{:.1f}"),
+           ("save GB/s", "save_gb_per_s", "{:.2f}"), ("load s", "load_s", "{:.1f}"),
+           ("load GB/s", "load_gb_per_s", "{:.2f}")]
 
 
-def train(args, mode: str, threads: int, out: Path, steps: int, resume: str, *flags: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "-m", "fsdp_trainer.train",
-           "--config", args.config, "--train.steps", str(steps), "--train.output_dir", str(out),
-           "--checkpoint.interval", str(args.interval), "--checkpoint.async_mode", mode, "--checkpoint.write_threads", str(threads),
-           "--checkpoint.resume", resume,
-           "--checkpoint.keep", "1", "--metrics.no_tensorboard", "--train.log_every", "5", *args.extra, *flags]
-    print("$", shlex.join(cmd), flush=True)
-    proc = subprocess.run(cmd, text=True, capture_output=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if proc.returncode:
-        sys.stderr.write(proc.stderr[-3000:])
-    return proc.stderr
+def train(args, mode: str, threads: int, out: Path, steps: int, resume: str,
+          *flags: str) -> subprocess.CompletedProcess:
+    return run(train_command(args.nproc, args.config, "--train.steps", str(steps), "--train.output_dir", str(out),
+                             "--checkpoint.interval", str(args.interval), "--checkpoint.async_mode", mode,
+                             "--checkpoint.write_threads", str(threads), "--checkpoint.resume", resume,
+                             "--checkpoint.keep", "1", "--train.log_every", "5", *args.extra, *flags))
+
+
+def drop_from_page_cache(folder: Path) -> int:
+    """Evict every file under `folder` from the page cache, so that the load that follows reads the disk, as a resume
+    after a restart or on another node does. Returns the bytes evicted."""
+    dropped = 0
+    for path in folder.rglob("*"):
+        if not path.is_file():
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages are not dropped: write them out first
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        dropped += path.stat().st_size
+    return dropped
+
+
+def measure(args, mode: str, threads: int, out: Path) -> dict:
+    row = {"mode": mode, "write_threads": threads, "label": f"{mode}, {threads} threads"}
+    saved = train(args, mode, threads, out, args.steps, "none")
+    if saved.returncode:
+        return {**row, "error": error_line(saved)}
+    log = saved.stderr
+    saves = [(float(m.group(3)), float(m.group(4) or 0)) for m in BLOCKED.finditer(log)]
+    done = [m.groups() for m in COMPLETE.finditer(log)]
+    row["saves"] = len(saves)
+    if saves and done:
+        # The first save pays one-time costs (pinned buffers, process groups); a later one may also wait for
+        # its predecessor to finish writing when the interval is shorter than a save. Report each apart.
+        later = saves[1:] or saves
+        row.update(first_blocked_s=saves[0][0], blocked_s=max(b for b, _ in later),
+                   waited_s=max(w for _, w in later), gb=float(done[-1][0]), save_s=float(done[-1][1]),
+                   save_gb_per_s=float(done[-1][2]))
+    staging = STAGING.search(log)
+    if staging:  # async_pinned allocates its host buffers once, after step 1
+        row.update(staging_alloc_s=float(staging.group(2)))
+    row["load_page_cache_dropped_gb"] = drop_from_page_cache(out) / 1e9
+    # One more step after the load, and no final save: a third full checkpoint could fill the disk.
+    resumed = train(args, mode, threads, out, args.steps + 1, "auto", "--checkpoint.no_save_final")
+    if resumed.returncode:
+        return {**row, "error": f"resume: {error_line(resumed)}"}
+    load = LOADED.search(resumed.stderr)
+    if load:
+        row.update(load_s=float(load.group(2)), load_gb_per_s=float(load.group(3)))
+    return row
 
 
 def main() -> None:
@@ -55,45 +103,15 @@ def main() -> None:
     rows = []
     for mode, threads in [(m, t) for t in args.write_threads for m in args.modes]:
         out = Path(tempfile.mkdtemp(prefix=f"ckpt-{mode}-", dir=args.dir))
-        log = train(args, mode, threads, out, args.steps, "none")
-        saves = [(float(m.group(3)), float(m.group(4) or 0)) for m in BLOCKED.finditer(log)]
-        done = [m.groups() for m in COMPLETE.finditer(log)]
-        # One more step after the load, and no final save: a third full checkpoint could fill the disk.
-        load = LOADED.search(train(args, mode, threads, out, args.steps + 1, "auto", "--checkpoint.no_save_final"))
-        row = {"mode": mode, "write_threads": threads, "label": f"{mode}, {threads} threads", "saves": len(saves)}
-        if saves and done:
-            # The first save pays one-time costs (pinned buffers, process groups); a later one may also wait for
-            # its predecessor to finish writing when the interval is shorter than a save. Report each apart.
-            later = saves[1:] or saves
-            row.update(first_blocked_s=saves[0][0], blocked_s=max(b for b, _ in later),
-                       waited_s=max(w for _, w in later), gb=float(done[-1][0]), save_s=float(done[-1][1]),
-                       save_gb_per_s=float(done[-1][2]))
-        staging = STAGING.search(log)
-        if staging:  # async_pinned allocates its host buffers once, after step 1
-            row.update(staging_alloc_s=float(staging.group(2)))
-        if load:
-            row.update(load_s=float(load.group(2)), load_gb_per_s=float(load.group(3)))
-        rows.append(row)
-        shutil.rmtree(out, ignore_errors=True)
-        print(row, flush=True)
-        # Rewritten after every row: a sweep cut off by a time limit keeps what it measured.
-        write_results(result_dir(args.nproc), f"checkpoint_io_{Path(args.config).stem}", rows,
-                      command=shlex.join([sys.executable, *sys.argv]),
+        try:
+            rows.append(measure(args, mode, threads, out))
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        print(rows[-1], flush=True)
+        write_results(f"checkpoint_io_{Path(args.config).stem}", rows, gpus=args.nproc,
                       plot=("blocked_s", "training blocked per save, s"), label="label")
-    print_table(rows)
-
-
-def print_table(rows: list[dict]) -> None:
-    columns = [("mode", "mode", "{}"), ("threads", "write_threads", "{}"), ("buffers s", "staging_alloc_s", "{:.1f}"),
-               ("first block s", "first_blocked_s", "{:.2f}"),
-               ("block s", "blocked_s", "{:.2f}"), ("of which wait s", "waited_s", "{:.2f}"), ("GB", "gb", "{:.1f}"),
-               ("save s", "save_s", "{:.1f}"), ("save GB/s", "save_gb_per_s", "{:.2f}"), ("load s", "load_s", "{:.1f}"),
-               ("load GB/s", "load_gb_per_s", "{:.2f}")]
-    lines = [[title for title, _, _ in columns]]
-    lines += [[fmt.format(r[key]) if key in r else "-" for _, key, fmt in columns] for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
-    for line in lines:
-        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+    print_table(rows, COLUMNS)
+    exit_if_failed(rows)
 
 
 if __name__ == "__main__":

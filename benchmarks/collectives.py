@@ -3,21 +3,24 @@
     python benchmarks/collectives.py --nproc 4
 
 The bare loop is the ceiling the doctor's figures should approach: the same all_reduce of 1 GiB of float32,
-timed with CUDA events over back-to-back iterations (no per-iteration synchronize).
+timed with CUDA events over back-to-back iterations (no per-iteration synchronize). The results also record whether
+the doctor's checks passed, and why either run failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import subprocess
-import sys
 
 import torch
 
-RESULT = "RESULT "
+from fsdp_trainer.doctor import bus_factor
+from results import exit_if_failed, print_table, write_results
+from runs import emit, error_line, report, run, torchrun
+
+COLUMNS = [("source", "source", "{}"), ("checks ok", "ok", "{}"), ("op", "op", "{}"), ("size", "bytes", "{:,}"),
+           ("busbw GB/s", "busbw_gbps", "{:.1f}")]
 
 
 def bare_all_reduce(iters: int = 20) -> None:
@@ -38,9 +41,25 @@ def bare_all_reduce(iters: int = 20) -> None:
     seconds = start.elapsed_time(end) / 1e3 / iters
     algbw = x.numel() * 4 / seconds / 1e9
     if rank == 0:
-        print(RESULT + json.dumps({"bytes": x.numel() * 4, "time_us": seconds * 1e6, "algbw_gbps": algbw,
-                                   "busbw_gbps": algbw * 2 * (world - 1) / world}), flush=True)
+        emit({"bytes": x.numel() * 4, "time_us": seconds * 1e6, "algbw_gbps": algbw,
+              "busbw_gbps": algbw * bus_factor("all_reduce", world)})
     dist.destroy_process_group()
+
+
+def doctor_rows(proc: subprocess.CompletedProcess) -> list[dict]:
+    """The doctor's bandwidth rows, each with whether its checks passed (and which failed); its error if it
+    wrote no report."""
+    found = report(proc.stdout, prefix="")
+    if found is None:
+        return [{"source": "doctor", "ok": False, "error": error_line(proc)}]
+    failed = [check["name"] for check in found["checks"] if not check["ok"]]
+    verdict = {"source": "doctor", "ok": found["ok"], **({"failed_checks": failed} if failed else {})}
+    return [{**verdict, **r} for r in found["bandwidth"]] or [verdict]
+
+
+def bare_row(proc: subprocess.CompletedProcess) -> dict:
+    found = report(proc.stdout)
+    return {"source": "bare PyTorch + NCCL", "op": "all_reduce", **(found or {"error": error_line(proc)})}
 
 
 def main() -> None:
@@ -50,20 +69,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return bare_all_reduce()
-    from results import result_dir, write_results
-    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}"]
-    doctor = subprocess.run(launch + ["-m", "fsdp_trainer.doctor", "--json"], text=True, capture_output=True)
-    report = json.loads(doctor.stdout) if doctor.stdout.strip() else {"ok": False, "bandwidth": []}
-    bare = subprocess.run(launch + [__file__, "--worker"], text=True, capture_output=True)
-    bare_row = next((json.loads(l[len(RESULT):]) for l in bare.stdout.splitlines() if l.startswith(RESULT)), None)
-    rows = [{"source": "doctor", **r} for r in report["bandwidth"]]
-    if bare_row:
-        rows.append({"source": "bare PyTorch + NCCL", "op": "all_reduce", **bare_row})
-    print(f"doctor ok: {report['ok']}")
-    print(f"{'source':>20} {'op':>15} {'size':>12} {'busbw GB/s':>11}")
-    for r in rows:
-        print(f"{r['source']:>20} {r['op']:>15} {r['bytes']:>12,} {r['busbw_gbps']:>11.1f}")
-    write_results(result_dir(args.nproc), "collectives", rows, command=shlex.join([sys.executable, *sys.argv]))
+    rows = doctor_rows(run([*torchrun(args.nproc), "-m", "fsdp_trainer.doctor", "--json"]))
+    rows.append(bare_row(run([*torchrun(args.nproc), __file__, "--worker"])))
+    print_table(rows, COLUMNS)
+    if "failed_checks" in rows[0]:
+        print(f"doctor: failed checks {', '.join(rows[0]['failed_checks'])}")
+    write_results("collectives", rows, gpus=args.nproc)
+    exit_if_failed(rows)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_check.sh NGPU PART [PART ...]
 # PART:
 #   tests        GPU-marked tests and the SDPA backends
-#   collectives  the doctor's bandwidth table beside a bare NCCL all_reduce, on 2 GPUs and on NGPU (NGPU > 1)
+#   collectives  the doctor's bandwidth table beside a bare NCCL all_reduce, on 2 GPUs and on NGPU (on 1 if NGPU=1)
 #   small        Llama 3.2 1B: throughput (eager/compiled, AC modes), FSDP vs DDP, weak scaling 1..NGPU
 #   8b           Llama 3 8B at seq 8192, the speed targets' settings: eager/compiled per-op AC (compiled also keeping
 #                every block gathered), compiled full AC, compiled no AC, compiled per-op AC micro-batch 2
@@ -11,7 +11,7 @@
 #                collection instead of train.gc_every (compiled per-op AC), no resharding after forward (compiled
 #                per-op, no and full AC), the caching allocator without expandable segments (the launchers' default
 #                has them). Levers measured before (prefetch, chunked loss, NCCL CTAs) are in the results' commands.
-#   keep         8B compiled: no AC within a 71 GiB allocator cap (the reference trainer's reserved peak), alone
+#   keep         8B compiled: no AC within a 71 GiB allocator cap (torchtitan v0.2.2's published reserved peak), alone
 #                and keeping the last 8 or 16 blocks gathered (parallel.keep_gathered); per-op and full AC keeping
 #                all 32
 #   card         one GPU, the 8B's shape cut to 8 blocks at seq 8192: eager and compiled per-op AC, compiled no and
@@ -32,8 +32,12 @@
 #   capped       the 8.5B model that OOMs under DDP on 47.4 GiB cards: its plan, then training it uncapped and
 #                capped at 47.4 GiB (same speed and no allocator retries when the plan's "fits" holds)
 # Tables go to stdout; JSON (and PNG) to benchmarks/results/<date>-<gpu>x<count>/. With BENCH_RESULTS_DIR=DIR they go to
-# DIR/<date>-<gpu>x<count>/ instead, with this script's log beside them, so a run stopped at a time limit keeps both.
-set -uo pipefail
+# DIR/<date>-<gpu>x<count>/ instead, with this script's log beside them: a job's output folder, say, so that a job
+# stopped at its time limit keeps both.
+# A failed command does not stop the checks: the parts after it run, and the script exits 1 naming what failed.
+set -Euo pipefail  # -E: the ERR trap below fires inside functions too
+failed=()
+trap 'failed+=("${PART:-setup} (line $LINENO)")' ERR
 NGPU=${1:?usage: gpu_check.sh NGPU PART [PART ...]}
 shift
 [ $# -gt 0 ] || { echo "usage: gpu_check.sh NGPU PART [PART ...]"; exit 2; }
@@ -53,7 +57,7 @@ throughput() { python3 benchmarks/throughput.py --nproc "$NGPU" "$@"; }
 results_file() { echo "$(cd benchmarks && python3 -c "from results import result_dir; print(result_dir($NGPU))")/$1"; }
 # The first line of a results file this script writes itself: date, GPUs, torch, and the command that made it.
 results_header() {
-  echo "# $(date -u +%F), $NGPU x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
+  echo "# $(date +%F), $NGPU x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
     "torch $(python3 -c 'import torch; print(torch.__version__)'): $*"
 }
 EAGER_OP="eager opAC=--ac.mode op --parallel.no_compile"
@@ -68,8 +72,10 @@ for PART in "$@"; do
     tests)
       python3 -m pytest -q -m gpu tests/test_gpu.py -p no:warnings --tb=short
       python3 benchmarks/attention.py ;;
-    collectives)  # on 2 GPUs, then on all of them
-      for n in $(printf '%s\n' 2 "$NGPU" | sort -un); do python3 benchmarks/collectives.py --nproc "$n"; done ;;
+    collectives)  # on 2 GPUs (or the one), then on all of them
+      for n in $(printf '%s\n' "$((NGPU < 2 ? NGPU : 2))" "$NGPU" | sort -un); do
+        python3 benchmarks/collectives.py --nproc "$n"
+      done ;;
     small)
       throughput --config configs/llama3_1b.toml --steps 30 --name llama3_1b \
         --variant "eager noAC=--ac.mode none --parallel.no_compile" \
@@ -137,7 +143,7 @@ PY
       done ;;
     profile)  # where each step's GPU time goes (the trace files stay on the machine)
       runs=${PROFILE_RUNS:-no_compile:op compile:op}
-      suffix=$([ -n "${PROFILE_RUNS:-}" ] && echo "_$(echo $runs | tr ' :' '_-')")
+      suffix=${PROFILE_RUNS:+_$(echo $runs | tr ' :' '_-')}
       log=$(results_file "profile_llama3_8b$suffix.log")
       results_header "PROFILE_RUNS=\"$runs\" bash benchmarks/gpu_check.sh $NGPU profile" | tee -a "$log"
       traces=()
@@ -169,3 +175,7 @@ PY
     *) echo "unknown part: $PART"; exit 2 ;;
   esac
 done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED: ${failed[*]}"
+  exit 1
+fi

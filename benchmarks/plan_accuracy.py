@@ -7,20 +7,20 @@ predicted reserved memory vs torch.cuda.max_memory_reserved().
 A row is "GPUS NAME=CONFIG FLAGS". Each is a real `torchrun -m fsdp_trainer.train` run on that many GPUs; the
 trainer logs the plan's predicted allocator peak next to the measured one after its first logging window.
 The default matrix spans 1B and 8B, every ac.mode, micro-batch 1/2/4, 1/2/4 GPUs, the reshard policies,
-compile on and off, and the chunked loss. Target: within 10% on every row.
+compile on and off, and the chunked loss. The predicted peak was within 2% of the measured one on every row run so
+far (benchmarks/README.md); tests/test_plan.py holds the prediction within 1% of peaks measured on H200s.
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from results import result_dir, write_results
+from results import exit_if_failed, write_results
 from throughput import run_variant
 
 EAGER, COMPILED = "--parallel.no_compile", "--parallel.compile"
@@ -65,7 +65,7 @@ def main() -> None:
     rows = [row for row in rows if row[0] <= available]
     if not rows:
         raise SystemExit("no row fits the GPUs on this machine")
-    folder = result_dir(max(gpus for gpus, *_ in rows))
+    most = max(gpus for gpus, *_ in rows)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for gpus, name, config, flags in rows:
@@ -82,9 +82,9 @@ def main() -> None:
                   f"planned {row.get('planned_reserved_gib', nan):6.2f} GiB, measured "
                   f"{row.get('mem_reserved_gib', nan):6.2f} GiB, {row.get('reserved_error_pct', nan):+.1f}%"
                   + (f"  FAILED: {row['error']}" if "error" in row else ""), flush=True)
-            # Rewritten after every row: a matrix cut off by a time limit keeps what it measured.
-            write_results(folder, "plan_accuracy", results, command=shlex.join([sys.executable, *sys.argv]),
+            write_results("plan_accuracy", results, gpus=most,
                           plot=("error_pct", "planned vs measured peak, %"))
+    exit_if_failed(results)
 
 
 if __name__ == "__main__":

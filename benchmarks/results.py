@@ -5,13 +5,21 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from runs import command_line
+
 RESULTS = Path(os.environ.get("BENCH_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
 """benchmarks/results/, or the folder BENCH_RESULTS_DIR names."""
+
+# Settings that change the numbers without appearing on the command line.
+RECORDED_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL", "TORCH_SYMM_MEM")
+RECORDED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")
 
 
 def gpu_name() -> str:
@@ -19,19 +27,39 @@ def gpu_name() -> str:
 
 
 def result_dir(count: int) -> Path:
-    """<RESULTS>/<YYYY-MM-DD>-<gpu>x<count>/"""
+    """<RESULTS>/<YYYY-MM-DD>-<gpu>x<count>/, dated in local time like the files in it."""
     gpu = gpu_name().replace("NVIDIA ", "").replace(" ", "-")
     folder = RESULTS / f"{datetime.date.today().isoformat()}-{gpu}x{count}"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
-def write_results(folder: Path, name: str, rows: list[dict], *, command: str,
-                  plot: Optional[tuple[str, str]] = None, label: str = "variant") -> Path:
-    """JSON with the machine facts and exact command; a bar chart of `plot=(key, title)` if matplotlib exists."""
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": gpu_name(),
-            "gpu_count_visible": torch.cuda.device_count(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "command": command}
+def recorded_env() -> dict[str, str]:
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(RECORDED_ENV_PREFIXES) or k in RECORDED_ENV}
+
+
+def git_revision() -> Optional[str]:
+    """The commit these scripts ran from; None outside a git checkout (a copied tree, an unpacked archive)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, text=True,
+                              capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def write_results(name: str, rows: list[dict], *, gpus: int, plot: Optional[tuple[str, str]] = None,
+                  label: str = "variant") -> Path:
+    """<name>.json in result_dir(gpus): the rows, the machine, the commit, and this process's command after the
+    environment settings that change results, so that pasting it reruns the measurement. A bar chart of
+    `plot=(key, title)` beside it if matplotlib is installed.
+
+    Scripts call it after every row: a sweep that is cut off (a job's time limit, a crash) keeps what it measured."""
+    env = recorded_env()
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": gpu_name(), "gpus": gpus,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "git": git_revision(), "environment": env,
+            "command": command_line([sys.executable, *sys.argv], env)}
+    folder = result_dir(gpus)
     path = folder / f"{name}.json"
     path.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {path}")
@@ -53,3 +81,25 @@ def write_results(folder: Path, name: str, rows: list[dict], *, command: str,
         fig.savefig(folder / f"{name}.png", dpi=120)
         plt.close(fig)
     return path
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """The rows under `columns` of (title, key, format), the first naming each row. A failed row reads FAILED where
+    it has no value, and its error follows the table."""
+    lines = [[title for title, _, _ in columns]]
+    lines += [[fmt.format(r[key]) if key in r else ("FAILED" if "error" in r else "-") for _, key, fmt in columns]
+              for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
+    for line in lines:
+        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+    name = columns[0][1]
+    for r in rows:
+        if "error" in r:
+            print(f"{r[name]}: {r['error']}")
+
+
+def exit_if_failed(rows: list[dict]) -> None:
+    """After the results are written: exit 1 if any run failed, so that a caller (gpu_check.sh) counts it."""
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(rows)} runs failed")

@@ -3,21 +3,20 @@
     python benchmarks/scaling.py --config configs/llama3_8b.toml --gpus 1 2 4 8 -- --ac.mode op
 
 Efficiency at N GPUs = (tokens/s/GPU at N) / (tokens/s/GPU at the smallest count measured). A count larger than
-the visible GPUs is skipped; a count the model does not fit on shows FAILED with the error.
+the visible GPUs is skipped; a count the model does not fit on shows FAILED with the error. Without GPUs every
+count runs as gloo processes on the CPU, for trying the script.
 """
 
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from results import result_dir, write_results
-from throughput import print_table, run_variant
+from results import exit_if_failed, print_table, write_results
+from throughput import COLUMNS, VARIANT, run_variant
 
 
 def main() -> None:
@@ -29,24 +28,25 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("extra", nargs="*", help="train flags for every run (after --)")
     args = parser.parse_args()
-    counts = [n for n in args.gpus if n <= max(1, torch.cuda.device_count())]
+    available = torch.cuda.device_count()
+    counts = sorted({n for n in args.gpus if not available or n <= available})
+    if not counts:
+        raise SystemExit(f"no count in --gpus fits the {available} GPUs here")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in counts:
             args.nproc = n
-            row = run_variant(f"{n} GPU", [], args, Path(tmp))
-            row["gpus"] = n
-            rows.append(row)
+            rows.append({"gpus": n, **run_variant(f"{n} GPU", {}, [], args, Path(tmp))})
     base = next((r for r in rows if "tokens_per_s_per_gpu" in r), None)
     for r in rows:
         if base and "tokens_per_s_per_gpu" in r:
             r["efficiency"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
-    print_table(rows)
-    for r in rows:
-        if "efficiency" in r:
-            print(f"{r['variant']}: weak-scaling efficiency {r['efficiency']:.1%} vs {base['variant']}")
-    write_results(result_dir(max(counts)), f"scaling_{Path(args.config).stem}", rows,
-                  command=shlex.join([sys.executable, *sys.argv]), plot=("tokens_per_s_per_gpu", "tokens/s/GPU"))
+    print_table(rows, [VARIANT, ("efficiency", "efficiency", "{:.1%}"), *COLUMNS])
+    if base:
+        print(f"efficiency: per-GPU throughput against {base['variant']}")
+    write_results(f"scaling_{Path(args.config).stem}", rows, gpus=max(counts),
+                  plot=("tokens_per_s_per_gpu", "tokens/s/GPU"))
+    exit_if_failed(rows)
 
 
 if __name__ == "__main__":

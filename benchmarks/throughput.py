@@ -9,24 +9,23 @@ forward+backward, optimizer; exposed communication comes from `--profile.steps`)
 A variant's flags may start with environment assignments (NAME=value), set for that run only: NCCL and CUDA
 allocator settings are levers too.
 
-Each variant is a real `torchrun -m fsdp_trainer.train` run; rates are averaged over the logging windows after
-`--warmup` steps (compilation and allocator warm-up excluded). Results: a table on stdout, and JSON (+ PNG when
-matplotlib is installed) in benchmarks/results/<date>-<gpu>x<count>/, with the torch version and exact commands.
+Each variant is a real `torchrun -m fsdp_trainer.train` run; rates are total tokens / total time over the logging
+windows that start at or after step `--warmup` (compilation and allocator warm-up excluded). Results: a table on
+stdout, and JSON (+ PNG when matplotlib is installed) in benchmarks/results/<date>-<gpu>x<count>/, with the torch
+version and exact commands.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from results import result_dir, write_results
+from results import exit_if_failed, print_table, write_results
+from runs import NO_CHECKPOINTS, command_line, error_line, run, train_command
 
 COLUMNS = [("tokens/s/GPU", "tokens_per_s_per_gpu", "{:,.0f}"), ("TFLOPs/GPU", "tflops_per_gpu", "{:.1f}"),
            ("MFU %", "mfu", "{:.1%}"), ("active GiB", "mem_active_gib", "{:.1f}"),
@@ -37,7 +36,7 @@ COLUMNS = [("tokens/s/GPU", "tokens_per_s_per_gpu", "{:,.0f}"), ("TFLOPs/GPU", "
            ("alloc retries", "alloc_retries", "{:,}"),
            ("loss", "loss", "{:.3f}")]
 AVERAGED = ("tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "data_ms", "forward_backward_ms", "optimizer_ms")
-
+VARIANT = ("variant", "variant", "{}")
 
 ENV_ASSIGNMENT = re.compile(r"[A-Z_][A-Z0-9_]*=")
 
@@ -55,43 +54,41 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str], list[str]]:
 
 def run_variant(name: str, env: dict[str, str], overrides: list[str], args, workdir: Path) -> dict:
     out = workdir / re.sub(r"\W+", "_", name)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "-m", "fsdp_trainer.train",
-           "--config", args.config, "--train.steps", str(args.steps), "--train.log_every", str(args.log_every),
-           "--train.output_dir", str(out), "--checkpoint.interval", "0", "--checkpoint.resume", "none",
-           "--checkpoint.no_save_final", "--metrics.no_tensorboard", *args.extra, *overrides]
-    command = shlex.join([f"{k}={v}" for k, v in env.items()] + cmd)
-    print("$", command, flush=True)
-    proc = subprocess.run(cmd, text=True, capture_output=True, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})
-    sys.stderr.write(proc.stderr[-3000:])
-    row = {"variant": name, "command": command, "returncode": proc.returncode}
+    cmd = train_command(args.nproc, args.config, "--train.steps", str(args.steps), "--train.log_every",
+                        str(args.log_every), "--train.output_dir", str(out), *NO_CHECKPOINTS, *args.extra, *overrides)
+    proc = run(cmd, env)
+    row = {"variant": name, "command": command_line(cmd, env), "returncode": proc.returncode}
     metrics = out / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.is_file():
-        row["error"] = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        row["error"] = error_line(proc)
         return row
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    steady = [r for r in rows if r["step"] > args.warmup] or rows[-1:]
-    for _, key, _ in COLUMNS:
-        if key in AVERAGED:  # averaged over the steady windows
-            values = [r[key] for r in steady if key in r]
-            if values:
-                row[key] = sum(values) / len(values)
-        else:  # the latest value; the planned-vs-measured peak is logged once, in the first window
-            values = [r[key] for r in rows if key in r]
-            if values:
-                row[key] = values[-1]
+    row.update(steady_state(rows, args.warmup))
+    # The others' latest values; the planned-vs-measured peak is logged once, in the first window.
+    row.update({key: r[key] for r in rows for _, key, _ in COLUMNS if key in r and key not in AVERAGED})
     return row
 
 
-def print_table(rows: list[dict]) -> None:
-    header = ["variant"] + [title for title, _, _ in COLUMNS]
-    lines = [[r["variant"]] + [fmt.format(r[key]) if key in r else ("FAILED" if "error" in r else "-")
-                               for _, key, fmt in COLUMNS] for r in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
-    for line in [header] + lines:
-        print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
-    for r in rows:
-        if "error" in r:
-            print(f"{r['variant']}: {r['error']}")
+def steady_state(rows: list[dict], warmup: int) -> dict:
+    """The AVERAGED metrics over the logging windows that start at or after step `warmup`, all their steps together:
+    rates as total tokens / total time, phases as total time / total steps. A window that starts earlier would
+    count compilation and the allocator's warm-up."""
+    starts = [0] + [r["step"] for r in rows[:-1]]
+    steady = [(r["step"] - start, r) for start, r in zip(starts, rows) if start >= warmup]
+    if not steady:
+        raise ValueError(f"no logging window starts at or after step {warmup} (--warmup), so no rate excludes "
+                         "warm-up: run more steps, or log more often")
+    averaged = {}
+    for key in AVERAGED:
+        windows = [(steps, r[key]) for steps, r in steady if key in r]
+        if not windows:
+            continue
+        steps = sum(n for n, _ in windows)
+        if key.endswith("_ms"):
+            averaged[key] = sum(n * ms for n, ms in windows) / steps
+        else:  # a window's time is proportional to its steps / its rate
+            averaged[key] = steps / sum(n / rate for n, rate in windows)
+    return averaged
 
 
 def main() -> None:
@@ -100,7 +97,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1, help="GPUs (processes) per run")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--log-every", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=10, help="steps excluded from the averages")
+    parser.add_argument("--warmup", type=int, default=10,
+                        help="logging windows that start before this step are left out of the averages")
     parser.add_argument("--variant", action="append", required=True, metavar="NAME=FLAGS",
                         help="a name and the train flags that define it, after any NAME=value environment "
                         "settings for its run; repeat for each variant")
@@ -111,12 +109,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.variant:
             rows.append(run_variant(*parse_variant(spec), args, Path(tmp)))
-            print_table(rows[-1:])
-            # Rewritten after every variant: a sweep cut off by a time limit keeps what it measured.
-            write_results(result_dir(args.nproc), args.name, rows, command=shlex.join([sys.executable, *sys.argv]),
-                          plot=("tokens_per_s_per_gpu", "tokens/s/GPU"))
+            print_table(rows[-1:], [VARIANT, *COLUMNS])
+            write_results(args.name, rows, gpus=args.nproc, plot=("tokens_per_s_per_gpu", "tokens/s/GPU"))
     print()
-    print_table(rows)
+    print_table(rows, [VARIANT, *COLUMNS])
+    exit_if_failed(rows)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,25 @@
-"""The benchmark scripts' own logic that runs without a GPU: variant parsing and the kernel table."""
+"""The benchmark scripts' own logic that runs without a GPU, and the scripts themselves on CPU gloo ranks."""
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kernels import kernel_totals  # noqa: E402
 from throughput import parse_variant  # noqa: E402
+
+# The debug model cut down so that a run of a few steps on CPU ranks takes seconds.
+SMALL = ["--model.n_layers", "2", "--train.seq_len", "64", "--train.micro_batch_size", "2"]
 
 
 def test_variant_flags_may_start_with_environment_settings():
@@ -38,6 +49,7 @@ def test_plan_accuracy_runs_each_row_through_the_throughput_runner(monkeypatch, 
     import inspect
 
     import plan_accuracy
+    import results
     import throughput
 
     calls = []
@@ -49,10 +61,186 @@ def test_plan_accuracy_runs_each_row_through_the_throughput_runner(monkeypatch, 
                 "planned_reserved_gib": 11.0, "mem_reserved_gib": 11.0}
 
     monkeypatch.setattr(plan_accuracy, "run_variant", fake_run_variant)
-    monkeypatch.setattr(plan_accuracy, "result_dir", lambda gpus: tmp_path)
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
     monkeypatch.setattr(plan_accuracy.torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(sys, "argv", ["plan_accuracy.py", "--row", "1 tiny=configs/debug.toml --ac.mode op"])
     plan_accuracy.main()
     assert [c[0] for c in calls] == ["tiny"] and calls[0][2] == ["--ac.mode", "op"]
     assert "peak: planned  10.00 GiB, measured   8.00 GiB, +25.0%" in capsys.readouterr().out
-    assert (tmp_path / "plan_accuracy.json").is_file()
+    assert json.loads(next(tmp_path.glob("*/plan_accuracy.json")).read_text())["gpus"] == 1
+
+
+def test_write_results_records_the_run_gpus_environment_commit_and_a_command_that_reruns_it(monkeypatch, tmp_path):
+    import results
+
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # changes nothing the results say: not recorded
+    argv = ["benchmarks/throughput.py", "--variant", "a b=--ac.mode op"]
+    monkeypatch.setattr(sys, "argv", argv)
+    data = json.loads(results.write_results("t", [{"variant": "a b"}], gpus=3).read_text())
+    assert data["gpus"] == 3 and "gpu_count_visible" not in data
+    assert data["environment"]["NCCL_ALGO"] == "Ring" and "OMP_NUM_THREADS" not in data["environment"]
+    assert shlex.split(data["command"]) == [f"{k}={v}" for k, v in data["environment"].items()] + [sys.executable,
+                                                                                                     *argv]
+    assert data["git"] is None or len(data["git"]) == 40
+    monkeypatch.setenv("GIT_DIR", str(tmp_path))  # not a repository: the revision is unknown, not an error
+    assert json.loads(results.write_results("t", [], gpus=1).read_text())["git"] is None
+
+
+def test_error_line_is_the_childs_error_not_torchruns_summary():
+    from runs import error_line
+
+    stderr = ("[rank0] 12:00:00 step 2/6 | loss 5.2\n"
+              "error: train.micro_batch_size=0: must be at least 1\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+              "============================================================\n"
+              "  error_file: <N/A>\n"
+              "============================================================\n")
+    assert error_line(subprocess.CompletedProcess([], 1, "", stderr)) == \
+        "error: train.micro_batch_size=0: must be at least 1"
+    assert error_line(subprocess.CompletedProcess([], 1, "", "=====\n")) == \
+        "exit status 1, no error in its output"
+
+
+def test_steady_state_counts_windows_from_warmup_on_over_all_their_steps():
+    from throughput import steady_state
+
+    rows = [{"step": 2, "tokens_per_s_per_gpu": 10.0, "forward_backward_ms": 900.0},  # compiling
+            {"step": 4, "tokens_per_s_per_gpu": 1000.0, "forward_backward_ms": 40.0},  # starts at 2 < warmup 3
+            {"step": 8, "tokens_per_s_per_gpu": 2000.0, "forward_backward_ms": 10.0},
+            {"step": 9, "tokens_per_s_per_gpu": 1000.0, "forward_backward_ms": 20.0}]
+    averaged = steady_state(rows, warmup=3)
+    # 5 steps in 4/2000 + 1/1000 units of time; the ms per step are 4 steps at 10 and 1 at 20.
+    assert averaged["tokens_per_s_per_gpu"] == pytest.approx(5 / (4 / 2000 + 1 / 1000))
+    assert averaged["forward_backward_ms"] == pytest.approx(12.0)
+    with pytest.raises(ValueError, match="no logging window starts at or after step 9"):
+        steady_state(rows, warmup=9)
+
+
+def run_script(script: str, *args: str, results_dir: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """A benchmark script run as a user runs it, from the repository root, writing its results under results_dir."""
+    return subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, text=True, capture_output=True,
+                          timeout=timeout, env={**os.environ, "BENCH_RESULTS_DIR": str(results_dir)})
+
+
+def written(results_dir: Path, name: str) -> dict:
+    (path,) = results_dir.glob(f"*/{name}.json")
+    return json.loads(path.read_text())
+
+
+def test_scaling_runs_one_and_two_ranks_with_the_smallest_as_baseline(tmp_path):
+    proc = run_script("scaling.py", "--config", "configs/debug.toml", "--gpus", "2", "1", "--steps", "4",
+                      "--log-every", "2", "--warmup", "2", "--", *SMALL, results_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = written(tmp_path, "scaling_debug")
+    assert data["gpus"] == 2
+    one, two = data["rows"]
+    assert (one["gpus"], two["gpus"]) == (1, 2) and one["efficiency"] == 1.0
+    assert two["efficiency"] == pytest.approx(two["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"])
+
+
+def test_ddp_gets_the_configs_ac_compile_and_compute_dtype(monkeypatch):
+    import fsdp_vs_ddp
+
+    from fsdp_trainer import distributed
+    from fsdp_trainer.config import parse_args
+
+    applied = []
+    monkeypatch.setattr(fsdp_vs_ddp, "apply_ac", lambda model, blocks, mode, every: applied.append(("ac", mode)))
+    monkeypatch.setattr(fsdp_vs_ddp, "apply_compile", lambda model, blocks: applied.append(("compile",)))
+    cfg = parse_args(["--config", str(ROOT / "configs/debug.toml"), *SMALL, "--ac.mode", "op", "--parallel.compile",
+                      "--parallel.param_dtype", "float16"])
+    info = distributed.init()  # a one-rank gloo group of this process
+    try:
+        model, _, autocast = fsdp_vs_ddp.prepare("ddp", cfg, info)
+    finally:
+        distributed.shutdown()
+    assert applied == [("ac", "op"), ("compile",)]
+    assert autocast.fast_dtype == torch.float16  # the config's, not a fixed bf16
+
+
+def test_fsdp_and_ddp_train_alike_on_two_cpu_ranks(tmp_path):
+    proc = run_script("fsdp_vs_ddp.py", "--config", "configs/debug.toml", "--nproc", "2", "--steps", "3",
+                      "--warmup", "1", "--", *SMALL, "--ac.mode", "full", results_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fsdp, ddp = written(tmp_path, "fsdp_vs_ddp")["rows"]
+    assert (fsdp["mode"], ddp["mode"]) == ("fsdp", "ddp")
+    assert fsdp["loss"] == pytest.approx(ddp["loss"], rel=1e-4)  # same weights, data, AC and arithmetic
+
+
+def test_checkpoint_io_loads_from_disk_and_records_a_failed_run(tmp_path):
+    args = ["--config", "configs/debug.toml", "--modes", "none", "--steps", "4", "--interval", "2", "--dir",
+            str(tmp_path / "ckpt"), "--", *SMALL]
+    (tmp_path / "ckpt").mkdir()
+    proc = run_script("checkpoint_io.py", *args, results_dir=tmp_path / "ok")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = written(tmp_path / "ok", "checkpoint_io_debug")["rows"]
+    assert row["saves"] == 2 and row["load_s"] > 0 and row["load_page_cache_dropped_gb"] > 0
+    proc = run_script("checkpoint_io.py", *args, "--train.micro_batch_size", "0", results_dir=tmp_path / "bad")
+    assert proc.returncode == 1
+    (row,) = written(tmp_path / "bad", "checkpoint_io_debug")["rows"]
+    assert row["error"] == "error: train.micro_batch_size=0: must be at least 1" and "saves" not in row
+
+
+def test_page_cache_drop_flushes_each_file_before_evicting_it(monkeypatch, tmp_path):
+    import checkpoint_io
+
+    (tmp_path / "step_2").mkdir()
+    for name in ("step_2/__0_0.distcp", "step_2/.metadata"):
+        (tmp_path / name).write_bytes(b"x" * 1000)
+    calls = []
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))))
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: calls.append(
+        ("fadvise", os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice)))
+    assert checkpoint_io.drop_from_page_cache(tmp_path) == 2000
+    for name in ("step_2/__0_0.distcp", "step_2/.metadata"):
+        path = str(tmp_path / name)
+        at = calls.index(("fsync", path))
+        assert calls[at + 1] == ("fadvise", path, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def test_collectives_reads_the_doctors_last_line_and_records_every_failure():
+    from collectives import bare_row, doctor_rows
+
+    report = {"ok": False, "checks": [{"name": "all_reduce", "ok": True}, {"name": "all_gather", "ok": False}],
+              "bandwidth": [{"op": "all_reduce", "bytes": 1024, "busbw_gbps": 1.0}]}
+    # NCCL_DEBUG=INFO writes to stdout too
+    doctor = subprocess.CompletedProcess([], 1, "node:1:1 [0] NCCL INFO Bootstrap\n" + json.dumps(report) + "\n", "")
+    assert doctor_rows(doctor) == [{"source": "doctor", "ok": False, "failed_checks": ["all_gather"],
+                                    "op": "all_reduce", "bytes": 1024, "busbw_gbps": 1.0}]
+    crashed = subprocess.CompletedProcess([], 1, "", "RuntimeError: NCCL error: unhandled system error\n=====\n")
+    assert doctor_rows(crashed) == [{"source": "doctor", "ok": False,
+                                     "error": "RuntimeError: NCCL error: unhandled system error"}]
+    assert bare_row(crashed)["error"] == "RuntimeError: NCCL error: unhandled system error"
+    assert bare_row(subprocess.CompletedProcess([], 0, 'RESULT {"busbw_gbps": 300.0}\n', ""))["busbw_gbps"] == 300.0
+
+
+def test_attention_times_each_step_from_fresh_gradients():
+    import torch.nn.functional as F
+    from attention import fwd_bwd
+
+    q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+    fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), None)
+    once = q.grad.clone()
+    fwd_bwd(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), None)
+    assert torch.equal(q.grad, once)
+
+
+def test_gpu_check_runs_every_part_after_a_failure_and_exits_non_zero(tmp_path):
+    """With stand-ins for nvidia-smi and python3 (whose pytest fails): the failed part is reported, later parts
+    still run, and one GPU gets no 2-rank collectives."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA Test GPU'\n")
+    (bin_dir / "python3").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\n'
+                                     'case "$*" in *pytest*) exit 1 ;; esac\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "BENCH_RESULTS_DIR"}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), "1", "tests", "collectives"], cwd=tmp_path,
+                          env={**env, "PATH": f"{bin_dir}:{env['PATH']}"}, text=True, capture_output=True, timeout=60)
+    assert proc.returncode == 1 and "FAILED: tests" in proc.stdout
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c for c in calls if "collectives.py" in c] == ["benchmarks/collectives.py --nproc 1"]
