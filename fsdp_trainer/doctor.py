@@ -147,7 +147,7 @@ def bus_factor(op: str, n: int) -> float:
 
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+        if round(n, 1) < 1024 or unit == "GiB":  # sizes rounded down to n shards read as the size asked for
             return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
         n /= 1024
 
