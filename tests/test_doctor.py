@@ -36,6 +36,14 @@ def run_doctor(*args: str, nproc: int = 0, fault: str = "", timeout: float = 60)
     return proc, time.monotonic() - start
 
 
+def timed_out_check(fault: str, nproc: int, deadline: int = 5):
+    """(completed process, the failed check) of a doctor run with `fault`, which must end within its deadline
+    (plus start-up of the ranks) and fail."""
+    proc, seconds = run_doctor("--json", "--deadline-s", str(deadline), nproc=nproc, fault=fault)
+    assert proc.returncode != 0 and seconds < deadline + 20, f"took {seconds:.1f} s"
+    return proc, json.loads(proc.stdout)["checks"][-1]
+
+
 def test_sizes_and_bus_bandwidth_factors():
     assert parse_sizes("1K..1M") == [1024, 4096, 16384, 65536, 262144, 1048576]
     assert parse_sizes("64KiB") == [1024, 4096, 16384, 65536]
@@ -150,11 +158,7 @@ def test_wrong_value_names_the_rank_and_the_operation():
 
 @pytest.mark.slow
 def test_hang_is_reported_within_the_deadline():
-    deadline = 5
-    proc, seconds = run_doctor("--json", "--deadline-s", str(deadline), nproc=2, fault="hang:rank=1")
-    assert proc.returncode != 0
-    assert seconds < deadline + 20, f"took {seconds:.1f} s"  # start-up of two ranks plus the deadline
-    failed = json.loads(proc.stdout)["checks"][-1]
+    proc, failed = timed_out_check("hang:rank=1", nproc=2)
     assert failed["name"] == "all_reduce" and failed["timed_out"] and failed["ranks"] == [1]
     assert "all_reduce       TIMEOUT" in proc.stderr
     assert "rank 1" in failed["error"] and "never arrived" in failed["error"]
@@ -175,10 +179,7 @@ def test_try_fixes_finds_the_setting_that_passes(monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_rank_that_raised_is_the_suspect_not_the_ranks_left_waiting():
-    deadline = 5
-    proc, seconds = run_doctor("--json", "--deadline-s", str(deadline), nproc=2, fault="raise:rank=1")
-    assert proc.returncode != 0 and seconds < deadline + 20, f"took {seconds:.1f} s"
-    failed = json.loads(proc.stdout)["checks"][-1]
+    proc, failed = timed_out_check("raise:rank=1", nproc=2)
     assert failed["name"] == "all_reduce" and failed["timed_out"]
     assert failed["suspects"] == [1] and failed["ranks"] == [1]
     assert "rank 1" in failed["error"] and "failed: RuntimeError: injected fault" in failed["error"]
@@ -188,10 +189,7 @@ def test_rank_that_raised_is_the_suspect_not_the_ranks_left_waiting():
 
 @pytest.mark.slow
 def test_ring_hang_names_the_link_that_never_delivered():
-    deadline = 5
-    proc, seconds = run_doctor("--json", "--deadline-s", str(deadline), nproc=3, fault="drop:rank=1")
-    assert proc.returncode != 0 and seconds < deadline + 20, f"took {seconds:.1f} s"
-    failed = json.loads(proc.stdout)["checks"][-1]
+    proc, failed = timed_out_check("drop:rank=1", nproc=3)
     assert failed["name"] == "send_recv_ring" and failed["timed_out"]
     # Rank 1's sends never leave: rank 2 waits on it, and rank 0, a size further on, waits on rank 2.
     assert failed["links"] == [[1, 2]], failed["error"]
