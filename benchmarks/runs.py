@@ -19,6 +19,9 @@ NO_CHECKPOINTS = ["--checkpoint.interval", "0", "--checkpoint.resume", "none", "
 # What a failed child's output says about why; torchrun ends with its own ChildFailedError and a banner, which
 # say only that a child failed.
 ERROR = re.compile(r"Error|error:|out of memory")
+# tyro reports a bad flag in a box, not on an error line: a title ("Invalid choice", "Value error"), then the
+# message, wrapped over the box's lines, up to a rule or the box's end.
+TYRO_BOX = re.compile(r"^╭─ .+ ─+╮$\n(?P<body>(?:^│(?! ─).*$\n)*)", re.MULTILINE)
 
 
 def torchrun(nproc: int) -> list[str]:
@@ -46,9 +49,14 @@ def run(cmd: list[str], env: Optional[dict[str, str]] = None) -> subprocess.Comp
 
 
 def error_line(proc: subprocess.CompletedProcess) -> str:
-    """Why a child failed: the last line of its output that names an error."""
-    lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines()
-             if ERROR.search(line) and "ChildFailedError" not in line]
+    """Why a child failed: tyro's message about a bad flag, else the last line of its output that names an
+    error."""
+    output = proc.stdout + proc.stderr
+    boxes = list(TYRO_BOX.finditer(output))
+    if boxes:
+        lines = (line.strip("│ ") for line in boxes[-1]["body"].splitlines())
+        return " ".join(line for line in lines if line)
+    lines = [line.strip() for line in output.splitlines() if ERROR.search(line) and "ChildFailedError" not in line]
     return lines[-1] if lines else f"exit status {proc.returncode}, no error in its output"
 
 

@@ -7,8 +7,9 @@ Runbook:
     # ... on another number of GPUs or another mesh: DCP reshards; the data continue at the saved sample count
     torchrun --nproc_per_node=4 -m fsdp_trainer.train --config configs/llama3_8b.toml --train.grad_accum_steps 2
     # preempt: SIGTERM or SIGUSR1 to the training processes (every rank, or just one: they agree) finishes the
-    # step, saves, waits for the save and exits 0 (during start-up: exits 0 before the first step, having nothing
-    # new to save); a second signal exits at once. Signal the ranks, not torchrun:
+    # step in progress and one more (the ranks' vote is read a step late, to need no sync), saves, waits for the
+    # save and exits 0 (during start-up: exits 0 before the first step, having nothing new to save); a second
+    # signal exits at once. Signal the ranks, not torchrun:
     # torchrun dies of SIGUSR1, and passes SIGTERM on but kills the ranks 30 s later, saved or not. E.g. on each
     # node `pkill -USR1 -f fsdp_trainer.train` (a Slurm batch script can trap --signal=B:USR1@300 to run it).
     python -m fsdp_trainer.checkpoint list outputs/checkpoints
@@ -19,12 +20,16 @@ Layout of <checkpoint.dir>/step_00000200/:
     .metadata            DCP's index of every tensor chunk; rank 0 writes it after every rank has written its data
     __<rank>_<n>.distcp  each rank's shards of the model and optimizer state, and its RNG states
     config.toml          the resolved config of the run that saved it (export reads the model shape from it)
-    trainer_state.json   written last, by rank 0, once DCP finished: its presence marks the checkpoint complete.
+    trainer_state.json   written last, by rank 0, once DCP finished: its presence marks the checkpoint committed.
                          Holds step, consumed_samples, tokens_seen, skipped_steps (non-finite), LR-scheduler and
-                         grad-scaler state, world size.
+                         grad-scaler state, world size, seq_len.
+A folder without trainer_state.json is an interrupted save: resume skips it, and retention or the next save of its
+step deletes it. A committed checkpoint whose trainer_state.json cannot be used (unreadable, another format) is an
+error at resume and is never deleted: only its owner can tell whether it was damaged or written by another version.
 
 Changing the global batch (ranks, micro-batch, accumulation) on resume is allowed: the first new step starts at
-the saved consumed_samples, so no sample is skipped or repeated.
+the saved consumed_samples, so no sample is skipped or repeated. Changing train.seq_len is not: the sample count
+indexes windows of the saved length.
 """
 
 from __future__ import annotations
@@ -75,8 +80,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # DCP's CheckpointException derives from BaseException, so `except Exception` would let it through.
 _ERRORS = (Exception, CheckpointException)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_WHAT_TO_DO = ("resume from an earlier complete checkpoint (--checkpoint.resume <its path>), or move this one "
-               "out of the checkpoint folder so that --checkpoint.resume auto takes the previous one")
 
 
 class CheckpointError(RuntimeError):
@@ -112,24 +115,35 @@ def read_trainer_state(path: Path) -> dict:
 
 
 def incomplete_reason(path: Path) -> Optional[str]:
-    """Why `path` is not a complete checkpoint, to follow "it" (it has no .metadata...), or None if it is one."""
+    """Why `path` is no committed checkpoint, to follow "it" (it has no .metadata...), or None once committed.
+    Only the marker, written last, commits a save: a folder without one holds nothing worth keeping, so resume
+    skips it and saves delete it. A committed checkpoint may still be unusable: see unusable_reason."""
     path = Path(path)
     if not path.is_dir():
         return "does not exist" if not path.exists() else "is not a folder"
+    if (path / MARKER).exists():
+        return None
     if not (path / ".metadata").is_file():
         return "has no .metadata: not every rank had finished writing when the save was interrupted"
-    if not (path / MARKER).is_file():
-        return f"has no {MARKER}: the save was interrupted before rank 0 committed it"
+    return f"has no {MARKER}: the save was interrupted before rank 0 committed it"
+
+
+def unusable_reason(path: Path) -> Optional[str]:
+    """Why the committed checkpoint `path` cannot be used, to follow "it", or None if it can. Unlike an interrupted
+    save, such a checkpoint is an error, never skipped or deleted: it may be the run's newest, damaged since, or
+    written by another version of fsdp_trainer that can still resume it."""
     try:
         state = read_trainer_state(path)
     except (OSError, ValueError) as err:
-        return f"has an unreadable {MARKER} ({err})"
+        return f"has an unreadable {MARKER} ({type(err).__name__}: {err})"
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        return f"has a {MARKER} that is not format {FORMAT} (another version of fsdp_trainer?)"
+        return f"has a {MARKER} that is not format {FORMAT} (written by another version of fsdp_trainer?)"
     missing = [key for key in _REQUIRED if key not in state]
     if missing:
         return (f"has a {MARKER} without {', '.join(missing)} (edited, or written by another version of "
                 "fsdp_trainer?)")
+    if not (Path(path) / ".metadata").is_file():  # rank 0 commits only after DCP wrote it: removed since
+        return f"has a {MARKER} but no .metadata (deleted after the save?)"
     return None
 
 
@@ -143,19 +157,61 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints under root, oldest first."""
+    """The committed and usable checkpoints under root, oldest first."""
+    return [(step, path) for step, path in list_checkpoints(root)
+            if incomplete_reason(path) is None and unusable_reason(path) is None]
+
+
+def committed_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """The committed checkpoints under root, usable or not, oldest first: those no save may overwrite."""
     return [(step, path) for step, path in list_checkpoints(root) if incomplete_reason(path) is None]
 
 
 def find_latest(root: Path) -> tuple[Optional[Path], list[tuple[Path, str]]]:
-    """The newest complete checkpoint under root (or None), and the newer incomplete ones passed over, with why."""
+    """The newest complete checkpoint under root (or None), and the newer incomplete ones passed over, with why.
+    A CheckpointError if the newest committed one is unusable: passing over it would resume from an older one,
+    and the run's later saves would then land next to it."""
     skipped = []
     for _, path in reversed(list_checkpoints(root)):
         reason = incomplete_reason(path)
         if reason is None:
+            check_usable(path)
             return path, skipped
         skipped.append((path, reason))
     return None, skipped
+
+
+def check_usable(path: Path) -> None:
+    """A CheckpointError naming the committed checkpoint `path`, its problem and the ways on, if it is unusable."""
+    problem = unusable_reason(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} cannot be used: it {problem}. Nothing was deleted; "
+                              f"{ways_past(path)}")
+
+
+def ways_past(path: Path) -> str:
+    """What to do about the committed but unusable or corrupt checkpoint `path`. Both ways work as written:
+    resume refuses a run that would save where newer committed checkpoints lie, so either `path` leaves its
+    folder's step_* names, or the run saves to another folder."""
+    path = Path(path)
+    match = _STEP_DIR.match(path.name)
+    older = [p for step, p in complete_checkpoints(path.parent) if match is None or step < int(match.group(1))]
+    aside = f"rename it (mv {path} {path}.unusable: resume and retention see only folders named step_<number>)"
+    if not older:
+        return f"{aside}, and --checkpoint.resume auto starts fresh: there is no earlier complete checkpoint"
+    return (f"{aside}, and --checkpoint.resume auto takes the previous complete checkpoint, {older[-1]}; or keep "
+            f"it there and resume from that one into a new folder: --checkpoint.resume {older[-1]} "
+            "--checkpoint.dir <new folder>")
+
+
+def _export_hint(path: Path) -> str:
+    """A hint, for a folder that holds an export rather than checkpoints, on how to load it."""
+    if (path / "config.json").is_file() and any(path.glob("model*.safetensors*")):
+        return f"; it holds a Hugging Face model: give hf:{path} (e.g. --checkpoint.init_from hf:{path})"
+    if (path / "model.pt").is_file():
+        return (f"; it holds an exported model.pt, which init_from cannot read: give the checkpoint it was exported "
+                f"from, or export that again with safetensors installed and give hf:{path}")
+    return ""
 
 
 def resolve(path: str | Path, flag: str) -> Path:
@@ -170,10 +226,12 @@ def resolve(path: str | Path, flag: str) -> Path:
             complete = complete_checkpoints(path.parent)
             hint = f"the newest complete one there is {complete[-1][1]}" if complete else "there is no complete one"
             raise CheckpointError(f"{flag} {path}: not a complete checkpoint: it {reason}; {hint}")
+        check_usable(path)
         return path
     latest, _ = find_latest(path)
     if latest is None:
-        raise CheckpointError(f"{flag} {path}: holds no complete checkpoint (a step_* folder with {MARKER})")
+        raise CheckpointError(f"{flag} {path}: holds no complete checkpoint (a step_* folder with {MARKER})"
+                              f"{_export_hint(path)}")
     return latest
 
 
@@ -202,24 +260,34 @@ def _size_bytes(path: Path) -> int:
 
 # --------------------------------------------------------------------------------- checking before loading
 
-def read_metadata(path: Path) -> Metadata:
-    """DCP's index of a checkpoint; a CheckpointError naming the folder if it cannot be read."""
+def read_metadata(path: Path, fix: str) -> Metadata:
+    """DCP's index of a checkpoint; a CheckpointError naming the folder and `fix` if it cannot be read."""
     try:
         return dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # a truncated or foreign file fails in pickle, in torch or in the OS
         raise CheckpointError(f"checkpoint {path}: its .metadata cannot be read ({type(err).__name__}: {err}), so "
-                              f"the checkpoint is corrupt; {_WHAT_TO_DO}") from None
+                              f"the checkpoint is corrupt; {fix}") from None
+
+
+def _cause(err: BaseException) -> str:
+    """DCP's error in one line: the first failing rank's exception. DCP's own message is a traceback per rank,
+    and its first line names only the ranks."""
+    failures = getattr(err, "failures", None)
+    if not failures:
+        return f"{type(err).__name__}: {err}"
+    rank, (exc, _) = min(failures.items())
+    message = str(exc).strip()
+    return f"rank {rank}: {type(exc).__name__}" + (f": {message}" if message else "")
 
 
 def _load_dcp(state: dict, path: Path, group: Optional[dist.ProcessGroup], fix: str) -> None:
-    """Fill `state` in place from the checkpoint at `path`, resharded by DCP; a CheckpointError naming the folder
-    and `fix` if a file cannot be read."""
+    """Fill `state` in place from the checkpoint at `path`, resharded by DCP; a CheckpointError naming the folder,
+    the first failing rank's error and `fix` if a file cannot be read."""
     try:
         dcp.load(state, checkpoint_id=str(path), process_group=group)
     except _ERRORS as err:  # DCP gathers every rank's read errors and raises them on all ranks
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"checkpoint {path} could not be read ({first}): a file is corrupt or truncated; "
-                              f"{fix}") from err
+        raise CheckpointError(f"checkpoint {path} could not be read ({_cause(err)}): a file is corrupt or "
+                              f"truncated; {fix}") from err
 
 
 def tensor_shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
@@ -558,14 +626,17 @@ class Checkpointer:
         return str(path)
 
     def _refuse_mixing(self, after_step: int, flag: str) -> None:
-        newer = [p.name for step, p in complete_checkpoints(self.root) if step > after_step]
+        # Unusable ones count too: a save of their step would find them in the way, and must not delete them.
+        newer = [p.name for step, p in committed_checkpoints(self.root) if step > after_step]
         if newer:
             raise CheckpointError(f"{flag}: {self.root} already holds checkpoints {', '.join(newer)} that this run "
                                   "would mix with its own (and resume auto would later pick); save to another "
                                   "--checkpoint.dir, or move them away")
 
     def _load(self, path: Path) -> Progress:
-        state, metadata = read_trainer_state(path), read_metadata(path)
+        state = read_trainer_state(path)
+        self._check_seq_len(path, state)
+        metadata = read_metadata(path, ways_past(path))
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         check_shapes(path, metadata, tensor_shapes({"model": model_sd, "optim": optim_sd}), "model.",
                      "Resume with the model settings it was saved with, or start a new run with --checkpoint.resume "
@@ -597,8 +668,19 @@ class Checkpointer:
         key = f"rank{self.info.rank}" if saved_world_size == self.info.world_size else "rank0"
         target = {"model": model_sd, "optim": optim_sd,
                   "rng": {key: _rng_placeholders(metadata, key, self.info.device)}}
-        _load_dcp(target, path, self.group, _WHAT_TO_DO)
+        _load_dcp(target, path, self.group, ways_past(path))
         return target["rng"][key]
+
+    def _check_seq_len(self, path: Path, state: dict) -> None:
+        """A CheckpointError if train.seq_len changed: sample g is a window of seq_len tokens (data.py), so the
+        saved sample count would point at other windows, skipping or repeating data."""
+        saved, here = state.get("seq_len"), self.cfg.train.seq_len
+        if saved is not None and saved != here:  # checkpoints of older versions lack it: nothing to compare
+            raise CheckpointError(
+                f"checkpoint {path} was saved with train.seq_len={saved} but this run has {here}: its "
+                f"{state['consumed_samples']:,} consumed samples count windows of {saved} tokens, so other "
+                f"lengths would skip or repeat data. Resume with --train.seq_len {saved}, or start a new run "
+                f"from its weights: --checkpoint.init_from {path} --train.output_dir <new folder>")
 
     def _log_resume(self, path: Path, state: dict, progress: Progress) -> None:
         logger.info(f"resuming from {path}: step {progress.step}, {progress.consumed_samples:,} samples and "
@@ -732,9 +814,9 @@ class Checkpointer:
         if self.info.is_main:
             if path.exists():
                 reason = incomplete_reason(path)
-                if reason is None:
-                    raise CheckpointError(f"{path} is a complete checkpoint already; is another run saving into "
-                                          f"{self.root}?")
+                if reason is None:  # usable or not, a committed checkpoint is never deleted to make room
+                    raise CheckpointError(f"{path} is a committed checkpoint already; is another run saving into "
+                                          f"{self.root}? Move it away, or save to another --checkpoint.dir")
                 logger.info(f"clearing {path} before saving there: it {reason}")
                 shutil.rmtree(path)
             path.mkdir(parents=True)
@@ -788,8 +870,10 @@ class Checkpointer:
         one, in the background: removing a large model's files takes seconds that training need not wait for.
         Called once a save is committed, when no other is in flight."""
         self._join_deleter()  # what it is deleting would otherwise be listed below as incomplete
-        found = [(step, path, incomplete_reason(path) is None) for step, path in list_checkpoints(self.root)]
-        complete = [(step, path) for step, path, ok in found if ok]
+        # Unusable committed checkpoints are neither: they stay, counted against no limit, until their owner acts.
+        found = [(step, path, incomplete_reason(path) is not None) for step, path in list_checkpoints(self.root)]
+        complete = [(step, path) for step, path, incomplete in found
+                    if not incomplete and unusable_reason(path) is None]
         keep = self.cfg.checkpoint.keep
         old = [(path, f"checkpoint.keep={keep}") for _, path in complete[:-keep]]
         for path, _ in old:
@@ -798,8 +882,8 @@ class Checkpointer:
             (path / MARKER).unlink()
         # What a crash left: a save cut short, or a deletion above. A newer incomplete folder is left to the save of
         # its step, which clears it first.
-        old += [(path, "incomplete, older than the newest complete checkpoint") for step, path, ok in found
-                if not ok and step < complete[-1][0]]
+        old += [(path, "incomplete, older than the newest complete checkpoint") for step, path, incomplete in found
+                if incomplete and step < complete[-1][0]]
         if old:
             self._deleter = threading.Thread(target=_delete, args=(old,), name="checkpoint-retention")
             self._deleter.start()
@@ -881,7 +965,7 @@ def load_consolidated(path: Path) -> tuple[dict[str, torch.Tensor], Config]:
     """The full (unsharded) model weights of a complete checkpoint and its config, read in this one process
     without a process group: DCP fills tensors allocated from its metadata, whatever the saving world size."""
     path = resolve(path, "checkpoint")
-    metadata = read_metadata(path)
+    metadata = read_metadata(path, "export an earlier complete checkpoint")
     state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
@@ -890,7 +974,8 @@ def load_consolidated(path: Path) -> tuple[dict[str, torch.Tensor], Config]:
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
             dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
     except _ERRORS as err:
-        raise CheckpointError(f"checkpoint {path} could not be read ({err}): a file is corrupt or truncated") from err
+        raise CheckpointError(f"checkpoint {path} could not be read ({_cause(err)}): a file is corrupt or truncated; "
+                              "export an earlier complete checkpoint") from err
     cfg = load_toml(path / CONFIG)
     if model_args_from_config(cfg.model).tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]  # one tensor again, as in the model
@@ -918,6 +1003,9 @@ def export(path: str | Path, out_dir: str | Path, dtype: Optional[torch.dtype] =
         log("skipped the Hugging Face export: it needs safetensors (pip install safetensors, or fsdp_trainer[hf])")
         return out
     save_file(to_hf(state, args), str(out / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors writes a temporary file (mode 0600) and renames it; give it the mode of model.pt, which open()
+    # created through the umask like every other file here.
+    shutil.copymode(out / "model.pt", out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(hf_config(args, state["norm.weight"].dtype), indent=2) + "\n")
     log(f"wrote {out / 'model.safetensors'} and config.json: transformers' LlamaForCausalLM.from_pretrained loads it")
     return out
@@ -1025,9 +1113,10 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
         return
     path = resolve(source, "--checkpoint.init_from")
     model_sd = get_model_state_dict(model)
-    check_shapes(path, read_metadata(path), tensor_shapes({"model": model_sd}), "model.",
+    fix = "give --checkpoint.init_from an earlier complete checkpoint"
+    check_shapes(path, read_metadata(path, fix), tensor_shapes({"model": model_sd}), "model.",
                  "Set the --model.* flags it was saved with.")
-    _load_dcp({"model": model_sd}, path, group, "give --checkpoint.init_from an earlier complete checkpoint")
+    _load_dcp({"model": model_sd}, path, group, fix)
     set_model_state_dict(model, model_sd)
 
 
@@ -1037,14 +1126,22 @@ def _list(root: str) -> None:
     if not Path(root).is_dir():
         raise CheckpointError(f"{root}: no such folder; give a checkpoint folder (<train.output_dir>/checkpoints "
                               "unless checkpoint.dir says otherwise)")
-    for step, path in list_checkpoints(Path(root)):
+    found = list_checkpoints(Path(root))
+    if not found:
+        nested = Path(root) / "checkpoints"
+        hint = f"; did you mean its checkpoints folder, {nested}?" if nested.is_dir() else ""
+        print(f"{root}: no checkpoints (no step_* folders){hint}")
+    for step, path in found:
         reason = incomplete_reason(path)
-        if reason is None:
+        problem = unusable_reason(path) if reason is None else None
+        if reason is not None:
+            print(f"{path}  INCOMPLETE: it {reason}")
+        elif problem is not None:
+            print(f"{path}  UNUSABLE: it {problem}")
+        else:
             state = read_trainer_state(path)
             print(f"{path}  complete  step {step}, {state['consumed_samples']:,} samples, "
                   f"{_size_bytes(path) / 1e9:.3f} GB, saved on {_ranks(state['world_size'])} at {state['saved_at']}")
-        else:
-            print(f"{path}  INCOMPLETE: it {reason}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 import sys
+import tempfile
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -252,8 +255,20 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
+    def __post_init__(self):
+        # One expansion for every path, wherever it was set: no shell expands ~ in a TOML file.
+        for section, name in PATH_FIELDS:
+            value = getattr(getattr(self, section), name)
+            if value is not None:
+                setattr(getattr(self, section), name, os.path.expanduser(value))
+
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(dataclasses.asdict(self))
+
+
+PATH_FIELDS = (("data", "path"), ("data", "cache_dir"), ("train", "output_dir"), ("checkpoint", "dir"),
+               ("checkpoint", "resume"), ("checkpoint", "init_from"))
+"""(section, field) of every setting that is a file system path, in which ~ means the home folder."""
 
 
 def _to_plain(value: Any) -> Any:
@@ -417,6 +432,11 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
     """Check every setting against the job it will run in; raise ConfigError naming field, value and fix."""
     from fsdp_trainer.models.llama import model_args_from_config
 
+    # No float setting means anything at inf or nan (a timeout of inf overflows torch's timedelta, a nan passes
+    # every comparison below), and the flags and TOML both accept them.
+    for name, value in _float_settings(cfg):
+        if not all(math.isfinite(v) for v in (value if isinstance(value, tuple) else (value,))):
+            raise ConfigError(f"{name}={value}: must be finite; inf and nan mean nothing here, set a number")
     try:
         args = model_args_from_config(cfg.model)
     except (ValueError, TypeError) as err:
@@ -483,3 +503,35 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
             if is_set:
                 raise ConfigError(f"{name} needs a CUDA GPU, and this job runs on CPU; remove it "
                                   "(or run on a machine with GPUs)")
+
+
+def _float_settings(cfg: Config):
+    """(section.field, value) of every setting that is a float or a tuple of them (optim.betas), and is set."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        if dataclasses.is_dataclass(values):
+            for f in dataclasses.fields(values):
+                value = getattr(values, f.name)
+                if isinstance(value, float) or (isinstance(value, tuple) and isinstance(value[0], float)):
+                    yield f"{section.name}.{f.name}", value
+
+
+def check_output_dirs(cfg: Config) -> None:
+    """Create train.output_dir, and the checkpoint folder if this run saves other than on a stop signal, and write
+    a file in each: a folder that cannot hold them fails here, before any process group or GPU memory, instead of
+    at the first save after hours of training. Every rank of every node may run this at once on a shared file
+    system: folders are created if missing, and each test file has a unique name and is removed at once."""
+    c = cfg.checkpoint
+    folders = {"train.output_dir": Path(cfg.train.output_dir)}
+    if c.interval or c.interval_minutes or c.save_final:  # as checkpoint.Checkpointer derives its root
+        folders["checkpoint.dir" if c.dir else "checkpoint.dir (unset: <train.output_dir>/checkpoints)"] = \
+            Path(c.dir or Path(cfg.train.output_dir) / "checkpoints")
+    for name, folder in folders.items():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".write_test."):  # deleted on closing
+                pass
+        except OSError as err:
+            reason = "a file is in the way" if isinstance(err, (FileExistsError, NotADirectoryError)) else err.strerror
+            raise ConfigError(f"{name}: cannot create or write the folder {folder} ({reason}); choose a folder "
+                              "this user can write on every node") from None

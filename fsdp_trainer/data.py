@@ -31,7 +31,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import BinaryIO, Callable, Iterator, NamedTuple, NoReturn, Optional, Sequence
 
 import numpy as np
 import torch
@@ -48,6 +48,16 @@ BYTE_VOCAB_SIZE = 257
 DEFAULT_SHARD_TOKENS = 100_000_000
 _PREPARE_HINT = "make shards with `python -m fsdp_trainer.data prepare <inputs...> <output_dir>`"
 _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+
+
+class DataError(ConfigError):
+    """Data found unusable while training (checked as it is read: scanning it all at start-up would take too long).
+
+    Raised in a loader worker, it reaches the training process rebuilt by torch from the worker's whole formatted
+    traceback; only the message, after the last 'DataError: ', is kept, so the trainer can print it as it is."""
+
+    def __init__(self, message: str):
+        super().__init__(message.strip().rsplit(f"{DataError.__name__}: ", 1)[-1])
 
 
 # ---------------------------------------------------------------------------------------------- shards on disk
@@ -203,16 +213,30 @@ class SampleOrder:
 class TokenWindows(Dataset):
     """Global sample index -> (inputs, labels), int64 [seq_len] each, from non-overlapping windows of a stream."""
 
-    def __init__(self, stream: TokenStream, seq_len: int, seed: int, where: str = ""):
-        self.stream, self.seq_len, self.where = stream, seq_len, where
+    def __init__(self, stream: TokenStream, seq_len: int, seed: int, vocab_size: int, where: str = ""):
+        self.stream, self.seq_len, self.vocab_size, self.where = stream, seq_len, vocab_size, where
         self.num_samples = (len(stream) - 1) // seq_len
         self.order = SampleOrder(self.num_samples, seed)
 
     def window(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample k itself: tokens[k*seq_len : k*seq_len + seq_len + 1], split into inputs and labels."""
         start = k * self.seq_len
-        tokens = torch.from_numpy(self.stream.read(start, start + self.seq_len + 1).astype(np.int64))
+        window = self.stream.read(start, start + self.seq_len + 1)
+        # Sidecars are checked at start-up, the tokens only here, a max over one window: an id past the embedding
+        # would otherwise be an IndexError on CPU, a device-side assert on GPUs.
+        if window.max() >= self.vocab_size:
+            self._bad_token(start + int(np.argmax(window >= self.vocab_size)))
+        tokens = torch.from_numpy(window.astype(np.int64))
         return tokens[:-1], tokens[1:]
+
+    def _bad_token(self, position: int) -> NoReturn:
+        i = int(np.searchsorted(self.stream.starts, position, side="right")) - 1
+        shard, offset = self.stream.shards[i], position - int(self.stream.starts[i])
+        token = int(self.stream.read(position, position + 1)[0])
+        raise DataError(f"{self.where}: token {offset:,} of shard {shard.path} is id {token}, but model.vocab_size="
+                        f"{self.vocab_size} (its sidecar says vocab_size {shard.vocab_size}), so the shard is "
+                        f"corrupt or from another tokenizer; re-create it ({_PREPARE_HINT}), or set "
+                        f"--model.vocab_size {token + 1} or larger if the ids are right")
 
     def __getitem__(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.window(self.order(g))
@@ -330,7 +354,7 @@ def build_dataset(cfg: DataConfig, seq_len: int, vocab_size: int) -> Dataset:
         raise ConfigError(f"data.source={cfg.source!r}: expected stdlib, tokens or synthetic")
     stream = load_shards(path, where)
     _check_stream(stream, where, seq_len, vocab_size)
-    return TokenWindows(stream, seq_len, cfg.seed, where)
+    return TokenWindows(stream, seq_len, cfg.seed, vocab_size, where)
 
 
 def check_source(cfg: DataConfig, seq_len: int, vocab_size: int) -> str:

@@ -1,7 +1,7 @@
 """Process group and device mesh set-up, and rank-aware logging.
 
 Works the same under `torchrun` (reads RANK/WORLD_SIZE/LOCAL_RANK) and under a plain `python -m`, where it
-starts a one-rank group on a free local port so that FSDP2 and DCP run unchanged.
+starts a one-rank group of its own so that FSDP2 and DCP run unchanged.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -32,13 +31,6 @@ class DistInfo:
         return self.rank == 0
 
 
-def free_port() -> int:
-    """A TCP port free on this host right now (for a one-rank group, or a launcher's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def setup_logging(rank: int) -> None:
     """Rank 0 logs at INFO; other ranks only warnings and errors, each line prefixed with its rank."""
     handler = logging.StreamHandler()
@@ -56,9 +48,10 @@ def init(timeout_s: float = 600.0, cpu_collectives: bool = False) -> DistInfo:
     under_launcher = "RANK" in os.environ
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    # Without a launcher: a one-rank group on a free local port. Passed directly rather than through
-    # os.environ, so that processes this one starts do not mistake themselves for ranks of it.
-    group_args = {} if under_launcher else dict(init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    # Without a launcher: a one-rank group whose store binds port 0, a free port of the kernel's choosing that no
+    # other process can take first. Passed directly rather than through os.environ, so that processes this one
+    # starts do not mistake themselves for ranks of it.
+    group_args = {} if under_launcher else dict(init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     setup_logging(rank)
     timeout = datetime.timedelta(seconds=timeout_s)
     if torch.cuda.is_available():

@@ -721,8 +721,10 @@ def try_fixes(args: DoctorArgs) -> int:
     out = sys.stderr if args.json else sys.stdout
 
     def attempt(setting: dict[str, str]) -> tuple[Optional[dict], str]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={distributed.free_port()}", "-m", "fsdp_trainer.doctor", "--json", *flags]
+        # --standalone: torchrun's rendezvous and store bind port 0 themselves, so that no other process can take
+        # their port first, as it could a free port looked up beforehand. The ranks meet on loopback, as they did.
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1",
+               f"--nproc_per_node={nproc}", "-m", "fsdp_trainer.doctor", "--json", *flags]
         env = os.environ | {"PYTHONPATH": pythonpath} | setting
         # Its own session, so that a group that outlives every deadline can be killed whole, workers included.
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -781,9 +783,19 @@ def _parse_fault(spec: str) -> Optional[tuple[str, int]]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = tyro.cli(DoctorArgs, args=argv, prog="python -m fsdp_trainer.doctor", description=__doc__)
-    if args.iters < 1:  # the median of no runs would fail on every rank and read as a broken collective
-        raise SystemExit(f"--iters {args.iters}: the bandwidth table needs at least one timed run per size; pass "
-                         "--iters 1 or more, or --sizes 0 to measure no bandwidth")
+    # Refused before anything runs, with argparse's exit status 2 (as the planner's): a deadline of 0 would time
+    # every step out at once and blame a rank, and the mean of no runs would fail like a broken collective.
+    refusals = [
+        f"--deadline-s {args.deadline_s:g}: must be above 0 (the seconds each step may take; default 60)"
+        if args.deadline_s <= 0 else "",
+        f"--iters {args.iters}: the bandwidth table needs at least one timed run per size; pass --iters 1 or more, "
+        "or --sizes 0 to measure no bandwidth" if args.iters < 1 else "",
+        f"--nproc {args.nproc}: must be 0 (every visible GPU, or 2 on CPU) or more" if args.nproc < 0 else "",
+    ]
+    for refusal in filter(None, refusals):
+        print(f"python -m fsdp_trainer.doctor: error: {refusal}", file=sys.stderr)
+    if any(refusals):
+        sys.exit(2)
     if args.try_fixes:
         sys.exit(try_fixes(args))
     code = Doctor(args, _parse_fault(os.environ.get(FAULT_VAR, ""))).run()

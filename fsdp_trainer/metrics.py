@@ -110,10 +110,8 @@ class Metrics:
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak = peak_flops(device)
         self.is_main = is_main
+        self.tensorboard_dir = output_dir / "tb" if is_main and tensorboard else None
         self.writer = None
-        if is_main and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(output_dir / "tb"))
         self.phases = PhaseTimer(device)
         self.warned_retries = False
         self.start(0)
@@ -157,7 +155,13 @@ class Metrics:
                 parts.append(f"mem {row['mem_active_gib']:.1f}/{row['mem_reserved_gib']:.1f} GiB")
             parts.append(f"elapsed {_duration(elapsed)} eta {_duration(eta)}")
             logger.info(" | ".join(parts))
-            if self.writer:
+            if self.tensorboard_dir:
+                if self.writer is None:
+                    from torch.utils.tensorboard import SummaryWriter
+                    # A resumed run redoes the steps after its checkpoint, whose events a killed run may have
+                    # written: purge_step makes TensorBoard discard those, as metrics.jsonl drops their rows
+                    # (train.start_rows_file). Opened here, not in __init__, since only `start` knows the step.
+                    self.writer = SummaryWriter(str(self.tensorboard_dir), purge_step=self.start_step + 1)
                 for key, value in row.items():
                     self.writer.add_scalar(f"train/{key}", value, step)
         return row

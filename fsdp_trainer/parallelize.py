@@ -169,6 +169,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     position = {id(module): index for index, module in enumerate(model.modules())}
     if any(id(module) not in position for group in groups for module in group):
         raise ValueError("every module in `groups` must be a submodule of the model being sharded")
+    _check_ties(model, blocks, groups)
     last = max([blocks[-1], *(group[0] for group in groups)], key=lambda module: position[id(module)])
 
     def reshard(keep: bool) -> bool:
@@ -187,6 +188,31 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
         for index, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[index + 1:index + 1 + prefetch])
             block.set_modules_to_backward_prefetch(blocks[max(0, index - prefetch):index][::-1])
+
+
+def _check_ties(model: nn.Module, blocks: list[nn.Module], groups: list[list[nn.Module]]) -> None:
+    """Refuse a parameter shared by two sharding units (a block, a group, or the root with what no block or group
+    holds): each unit shards its own copy, which unties it, and FSDP2 refuses only at the first forward."""
+    names = {id(module): name for name, module in model.named_modules()}
+    unit_of = {id(block): f"block {names[id(block)]}" for block in blocks}
+    for group in groups:
+        unit_of.update({id(module): "group [" + ", ".join(names[id(m)] for m in group) + "]" for module in group})
+    owner: dict[int, tuple[str, str]] = {}  # id(parameter) -> (its first name, its unit)
+
+    def visit(module: nn.Module, prefix: str, unit: str) -> None:
+        unit = unit_of.get(id(module), unit)  # a module belongs to the innermost unit around it
+        for name, param in module.named_parameters(prefix=prefix, recurse=False):
+            first, first_unit = owner.setdefault(id(param), (name, unit))
+            if first_unit != unit:
+                modules = " and ".join(n.rpartition(".")[0] or "the model itself" for n in (first, name))
+                raise ValueError(
+                    f"apply_fsdp: {name} (in {unit}) is the same parameter as {first} (in {first_unit}), tied "
+                    f"weights, which must live in one FSDP unit: put the modules that share it ({modules}) in one "
+                    "group, or leave them all out of `groups` so that the root holds them")
+        for name, child in module.named_children():
+            visit(child, f"{prefix}.{name}" if prefix else name, unit)
+
+    visit(model, "", "the root (what no block or group holds)")
 
 
 def _params_by_fsdp_module(model: nn.Module) -> dict[FSDPModule, list[nn.Parameter]]:
@@ -208,18 +234,23 @@ def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload:
     What the model may define, all optional (ours defines all three):
     - `init_param(name, full_tensor, generator)`: fills each parameter as a full tensor from a generator seeded
       by (seed, name); each rank keeps its shard, so the weights do not depend on the world size or mesh.
-      Without it, every submodule's `reset_parameters()` runs, world-size independent only where DTensor's
-      random ops are (CUDA).
+      Without it, every submodule's `reset_parameters()` runs (or, for torch.nn's own modules such as
+      MultiheadAttention, the `_reset_parameters()` their constructors call), each module's after its children's
+      as in eager construction, so that a block's own reset_parameters() has the last word over its submodules'.
+      World-size independent only where DTensor's random ops are (CUDA).
     - `init_buffers()`: recomputes the buffers (a RoPE table, say), which materializing leaves unset.
     - `tie_weights()`: ties shared parameters again after materializing.
-    A parameter or buffer that none of these would fill is an error, raised before anything is allocated. With
+    A parameter or buffer that none of these would fill is an error, raised before anything is allocated: a
+    parameter counts as filled where its module or any module around it resets, a buffer only where its own
+    module does (a block's reset_parameters() seldom recomputes a RoPE table below it). With
     `offload` (FSDP's CPU offload) parameters are materialized in host memory and buffers on `device`."""
     unset = _left_unset(model)
     if unset:
         raise ValueError(f"init_weights cannot initialize {', '.join(unset[:4])}" + (" ..." if len(unset) > 4 else "")
                          + ": materialized from meta they would hold garbage, and no reset_parameters() of their "
-                         "module fills them; give the model init_param(name, full_tensor, generator) for parameters "
-                         "and init_buffers() for buffers, or reset_parameters() to their modules")
+                         "module (or, for parameters, of a module around it) fills them; give the model "
+                         "init_param(name, full_tensor, generator) for parameters and init_buffers() for buffers, "
+                         "or reset_parameters() to their modules")
     torch.manual_seed(seed)
     model.to_empty(device="cpu" if offload else device)
     if offload:
@@ -231,9 +262,10 @@ def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload:
     if hasattr(model, "init_buffers"):
         model.init_buffers()
     if not hasattr(model, "init_param"):
-        for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        for module in _children_first(model):
+            reset = _reset_of(module)
+            if reset:
+                reset()
         return
     for name, param in model.named_parameters():
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
@@ -246,15 +278,53 @@ def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload:
             param.copy_(full)
 
 
+def _reset_of(module: nn.Module):
+    """The method that initializes `module`: its reset_parameters(), or the private _reset_parameters() that
+    torch.nn's own modules (MultiheadAttention, Transformer) have instead, which their constructors call."""
+    if hasattr(module, "reset_parameters"):
+        return module.reset_parameters
+    private = getattr(type(module), "_reset_parameters", None)
+    # Where the method is defined, not the module's class, which fully_shard replaces with a subclass of its own.
+    if private is not None and private.__module__.startswith("torch.nn."):
+        return module._reset_parameters
+    return None
+
+
+def _children_first(model: nn.Module) -> list[nn.Module]:
+    """Every module once, each after its children, siblings in registration order: the order in which eager
+    construction resets them, and so the same random draws."""
+    order: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        seen.add(id(module))
+        for child in module.children():
+            if id(child) not in seen:
+                visit(child)
+        order.append(module)
+
+    visit(model)
+    return order
+
+
 def _left_unset(model: nn.Module) -> list[str]:
     """Parameters and buffers that init_weights would leave as materialized: uninitialized memory."""
-    unset = []
-    for prefix, module in model.named_modules():
-        if hasattr(module, "reset_parameters"):
-            continue
-        names = [] if hasattr(model, "init_param") else [n for n, _ in module.named_parameters(recurse=False)]
-        names += [] if hasattr(model, "init_buffers") else [n for n, _ in module.named_buffers(recurse=False)]
-        unset += [f"{prefix}.{name}" if prefix else name for name in names]
+    unset: list[str] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module, prefix: str, reset_around: bool) -> None:
+        seen.add(id(module))
+        resets = _reset_of(module) is not None
+        params = [] if hasattr(model, "init_param") or resets or reset_around else \
+            [n for n, _ in module.named_parameters(prefix, recurse=False)]
+        buffers = [] if hasattr(model, "init_buffers") or resets else \
+            [n for n, _ in module.named_buffers(prefix, recurse=False)]
+        unset.extend(params + buffers)
+        for name, child in module.named_children():
+            if id(child) not in seen:
+                visit(child, f"{prefix}.{name}" if prefix else name, reset_around or resets)
+
+    visit(model, "", False)
     return unset
 
 

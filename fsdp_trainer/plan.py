@@ -99,15 +99,19 @@ HOST_ADAMW_BW = 10e9
 GATHER_COPY_SECONDS_PER_BYTE = 1.3e-3 / GiB
 """Compute-stream time of FSDP2's copies per all-gathered byte: 32 fewer re-gathers of the 8B's blocks (13.6 GiB
 per step) made a 4 x H200 step 18 ms shorter (benchmarks/README.md, keeping blocks gathered)."""
-OP_AC_RECOMPUTE = 0.05
-"""Per-op AC recomputes only elementwise work (norms, RoPE, SiLU, products): ~5% of step time, no matmuls."""
+OP_AC_RECOMPUTE = 0.01
+"""Per-op AC recomputes only elementwise work (norms, RoPE, SiLU), no matmuls: compiled per-op AC took 0.7-1.1% more
+time per token than compiled no AC in six 8B sweeps on 4 H200s (benchmarks/results/2026-11-26-H200x4/llama3_8b.json:
+9,662 against 9,733 tokens/s/GPU; _clipped, _after_review, _grads_pool, _levers, _earlier_machine) and 0.1-0.9% on
+one GPU (llama3_8b_8layers.json). No sweep ran eager without AC, so eager's cost is not known; it is taken as the
+same."""
 SAME_SPEED = 0.005
 """Changes in time per token smaller than this read as "~same speed", and are not offered to a run that fits."""
 OPTION_MARGIN = 0.02
-"""Share of the GPU an option offered to a run that fits (or on top of a change that makes it fit) must leave free.
-The reserved estimate ran up to 1.2% below the measured (8B, full AC, 4 H200s; tests/test_plan.py), and a run
-capped below its reserved memory stalls on allocator retries (45% slower, above): a bad trade for the few percent
-such an option gains."""
+"""Share of the GPU every suggested setting must leave free: a change that makes a run fit, more GPUs, and a faster
+option offered to a run that fits. The reserved estimate ran up to 1.2% below the measured (8B, full AC, 4 H200s;
+tests/test_plan.py), and a run capped below its reserved memory stalls on allocator retries (45% slower, above): a
+suggestion that fits only to the last percent may be one of those. The verdict on the run as given has no margin."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -582,7 +586,8 @@ class Plan:
         if self.suggestions:
             lines.append(f"faster settings that fit with {OPTION_MARGIN:.0%} of the GPU to spare, fastest first "
                          "(time per token per GPU from a rough model):" if self.fits
-                         else "changes that fit, cheapest first (time per token per GPU from a rough model):")
+                         else f"changes that fit with {OPTION_MARGIN:.0%} of the GPU to spare, cheapest first (time "
+                         "per token per GPU from a rough model):")
             lines += [f"  {i}. {s.describe()}" for i, s in enumerate(self.suggestions, 1)]
         elif not self.fits:
             lines.append("no change the planner tries fits: use more GPUs or a smaller model or sequence")
@@ -688,7 +693,7 @@ def plan(cfg: Config, gpus: int, gpu_memory_bytes: int, gpus_per_node: Optional[
     else:
         result.suggestions = _suggestions(cfg, result)
         hsdp = _hsdp_option(cfg, result)
-        result.suggestions += [hsdp] if hsdp else []
+        result.suggestions = _cheapest_first(result.suggestions + ([hsdp] if hsdp else []))
     return result
 
 
@@ -751,7 +756,7 @@ def _cost(base: Plan, new: Plan, tokens_ratio: float = 1.0) -> float:
 
 
 def _roomy(new: Plan) -> bool:
-    """Whether an option that trades memory for speed fits with OPTION_MARGIN to spare."""
+    """Whether a suggested setting fits with OPTION_MARGIN to spare."""
     return new.total_bytes <= (1 - OPTION_MARGIN) * new.capacity_bytes
 
 
@@ -811,15 +816,15 @@ def _note(cfg: Config, change: dict[str, Any], new: Plan) -> str:
 
 
 def _suggestions(cfg: Config, base: Plan, limit: int = 5) -> list[Suggestion]:
-    """Every combination of the knobs, re-planned; the fitting ones that change nothing needlessly, cheapest first;
-    then the smallest GPU count the unchanged run fits on."""
+    """Every combination of the knobs, re-planned; the `limit` cheapest of those that fit with OPTION_MARGIN to spare
+    and change nothing needlessly, and the smallest GPU count the unchanged run fits on, cheapest first."""
     fitting = []
     for combo in itertools.product(*_knobs(cfg)):
         change = {k: v for part in combo for k, v in part.items()}
         if not change:
             continue
         new = _replan(cfg, base, change)
-        if new.fits:
+        if _roomy(new):
             fitting.append((change, new))
     changes = [c for c, _ in fitting]
 
@@ -833,12 +838,18 @@ def _suggestions(cfg: Config, base: Plan, limit: int = 5) -> list[Suggestion]:
     found = [Suggestion(c, base.gpus, p.total_bytes, _cost(base, p), _note(cfg, c, p))
              for c, p in fitting if not needless(c)]
     more = _more_gpus(cfg, base)
-    return sorted(found, key=lambda s: s.cost)[:limit] + ([more] if more else [])
+    return _cheapest_first(sorted(found, key=lambda s: s.cost)[:limit] + ([more] if more else []))
+
+
+def _cheapest_first(suggestions: list[Suggestion]) -> list[Suggestion]:
+    """By cost, time per token per GPU, which prices more GPUs as it does a change of settings: in GPU hours per
+    token. More GPUs at the same speed per GPU come before a 20x slower CPU offload; equal costs keep their order."""
+    return sorted(suggestions, key=lambda s: s.cost)
 
 
 def _more_gpus(cfg: Config, base: Plan) -> Optional[Suggestion]:
-    """The smallest multiple of the GPU count (up to 16x) the unchanged run fits on. The global batch stays the same
-    where grad_accum_steps can shrink by the same factor."""
+    """The smallest multiple of the GPU count (up to 16x) the unchanged run fits on with OPTION_MARGIN to spare. The
+    global batch stays the same where grad_accum_steps can shrink by the same factor."""
     accum = cfg.train.grad_accum_steps
     for factor in (2, 4, 8, 16):
         change: dict[str, Any] = {"gpus": base.gpus * factor}
@@ -847,7 +858,7 @@ def _more_gpus(cfg: Config, base: Plan) -> Optional[Suggestion]:
         if accum % factor == 0:
             change["train.grad_accum_steps"] = accum // factor
         new = _replan(cfg, base, change)
-        if new.fits:
+        if _roomy(new):
             same_batch = accum % factor == 0
             return Suggestion(change, new.gpus, new.total_bytes, _cost(base, new, 1 / factor if same_batch else 1.0),
                               "" if same_batch else f"the global batch grows {factor}x")

@@ -29,9 +29,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from fsdp_trainer import distributed
 from fsdp_trainer.checkpoint import CheckpointError, Checkpointer, StopSignals
-from fsdp_trainer.config import (Config, ConfigError, grads_in_compute_pool, mesh_shape, parse_args, resolve_param_dtype,
-                                 to_toml, validate)
-from fsdp_trainer.data import build_dataloader, check_source, samples_per_step, stop_workers
+from fsdp_trainer.config import (Config, ConfigError, check_output_dirs, grads_in_compute_pool, mesh_shape, parse_args,
+                                 resolve_param_dtype, to_toml, validate)
+from fsdp_trainer.data import DataError, build_dataloader, check_source, samples_per_step, stop_workers
 from fsdp_trainer.distributed import logger
 from fsdp_trainer.faults import NonFiniteError, NonFiniteGuard, Watchdog, describe_oom, enable_flight_recorder
 from fsdp_trainer.loss import compiled_cross_entropy, cross_entropy
@@ -273,6 +273,7 @@ def main(argv=None) -> None:
     except ConfigError as err:  # the same on every rank: one message is enough
         exit_with_error(str(err), show=rank == 0)
     try:
+        check_output_dirs(cfg)
         data = check_source(cfg.data, cfg.train.seq_len, model_args_from_config(cfg.model).vocab_size)
     except ConfigError as err:  # the data may be missing or unreadable on one node only: each node says
         exit_with_error(f"[rank {rank}] {err}", show=int(os.environ.get("LOCAL_RANK", "0")) == 0)
@@ -291,6 +292,8 @@ def main(argv=None) -> None:
         run(cfg, info, memory_plan, signals)
     except (CheckpointError, NonFiniteError) as err:  # raised alike on every rank: one message is enough
         exit_with_error(str(err), show=info.is_main)
+    except DataError as err:  # raised by the ranks that read the bad data only
+        exit_with_error(f"[rank {info.rank}] {err}", show=True)
     finally:
         distributed.shutdown()
         signals.restore()

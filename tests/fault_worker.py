@@ -4,7 +4,8 @@
 
 Faults, at the <step>-th call of train_step on the chosen rank(s): hang, crash, nan (its loss); stall (hangs,
 while the other ranks go on as they do under NCCL, whose steps only queue GPU work: they return at once, and so
-next wait in the stop/save vote or a save). preempt: SIGUSR1 while the model is built, before the first step.
+next wait in the stop/save vote or a save); term (SIGTERM to itself as the step begins, as from a scheduler).
+preempt: SIGUSR1 while the model is built, before the first step.
 """
 
 import os
@@ -36,6 +37,8 @@ def faulty_step(*args, **kwargs):
             time.sleep(3600)
         if fault == "crash":
             raise RuntimeError("injected crash")
+        if fault == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
         if fault == "nan":
             F.cross_entropy = lambda *a, **k: real_cross_entropy(*a, **k) * float("nan")
             try:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
+import sys
 import traceback
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fsdp_trainer.config import Config
-from fsdp_trainer.distributed import free_port  # noqa: F401 - re-exported for the tests
 
 # Command-line flags for a model and batch small enough that a few steps on several CPU ranks take seconds.
 TINY_FLAGS = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
@@ -18,10 +20,26 @@ TINY_FLAGS = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "
               "--train.log_every", "1", "--data.num_workers", "0", "--parallel.param_dtype", "float32",
               "--metrics.no_tensorboard"]
 
+# torchrun for one node. --standalone: its rendezvous and store bind port 0 themselves, so that no other process
+# can take their port first, as it could a free port looked up beforehand. --local-addr: they meet on loopback,
+# not at this host's name, which need not resolve.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1"]
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now, only for the launch scripts' tests, which must be given HEAD or
+    PORT: another process may take it before the launcher binds it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
+    # env:// as under torchrun, which has the ranks join its store (TORCHELASTIC_USE_AGENT_STORE) rather than rank 0
+    # start one on MASTER_PORT.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     try:
         # Plain pickle bytes: torch's queue would share tensors through file descriptors that die with us.
@@ -29,7 +47,6 @@ def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test with it
         queue.put((rank, None, traceback.format_exc()))
     finally:
-        import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -38,8 +55,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     """Run `fn(*args)` on `world_size` spawned processes forming one gloo group; return each rank's result."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    # The group's store, served from here on port 0, so that no other process can take its port first, as it could
+    # a free port looked up for rank 0 to bind.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, fn, args, queue))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = {}, []

@@ -104,6 +104,20 @@ def test_error_line_is_the_childs_error_not_torchruns_summary():
         "exit status 1, no error in its output"
 
 
+@pytest.mark.parametrize("flags,error", [
+    (["--ac.mode", "bogus"], "invalid choice 'bogus' for argument '--ac.mode'. Expected one of ('none', 'full', "
+                             "'selective', 'op')."),
+    (["--train.stepz", "3"], "Unrecognized options: --train.stepz, 3"),
+])
+def test_error_line_reads_tyros_message_about_a_bad_flag(flags, error):
+    """tyro draws its message in a box, wrapped over several lines, with no line that says "error:"."""
+    from runs import error_line
+
+    proc = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", *flags], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "60"})  # narrow: the message wraps
+    assert proc.returncode == 2 and error_line(proc) == error
+
+
 def test_steady_state_counts_windows_from_warmup_on_over_all_their_steps():
     from throughput import steady_state
 

@@ -4,11 +4,11 @@ export / import, errors. CPU and gloo; multi-rank runs are real torchrun jobs of
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,9 +25,10 @@ from fsdp_trainer.models.llama import build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler
 from fsdp_trainer.train import build_model, main, run
 
-from helpers import TINY_FLAGS, free_port
+from helpers import TINY_FLAGS, TORCHRUN
 
 REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("fault_worker.py")
 TINY = [*TINY_FLAGS, "--data.source", "synthetic"]
 # Within the default 20 warmup steps the learning rate rises every step and does not depend on train.steps, so a
 # scheduler resumed at the wrong step shows in the losses, and runs of different lengths stay comparable.
@@ -35,8 +36,8 @@ STEPS = 10
 
 
 def torchrun_cmd(nproc: int, out: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-            "-m", "fsdp_trainer.train", *TINY, "--train.output_dir", str(out), *flags]
+    return [*TORCHRUN, f"--nproc_per_node={nproc}", "-m", "fsdp_trainer.train", *TINY, "--train.output_dir", str(out),
+            *flags]
 
 
 def torchrun(nproc: int, out: Path, *flags: str, crash: str = "", ok: bool = True) -> str:
@@ -91,16 +92,12 @@ def tree(root: Path) -> dict[str, tuple[int, int]]:
 
 @contextmanager
 def one_rank():
-    """A one-rank gloo process group in this process, on a fresh port; torn down afterwards."""
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
-            mp.setenv(key, value)
-        info = distributed.init(60)
-        try:
-            yield info
-        finally:
-            distributed.shutdown()
+    """A one-rank gloo process group in this process, as a run without a launcher starts it; torn down afterwards."""
+    info = distributed.init(60)
+    try:
+        yield info
+    finally:
+        distributed.shutdown()
 
 
 def train_in_process(*argv: str) -> dict:
@@ -156,46 +153,22 @@ def test_kill_during_saves_then_resume_is_bit_identical(reference, tmp_path):
 
 
 def test_stop_signal_to_one_rank_saves_and_exits_0(reference, tmp_path):
-    """SIGTERM to rank 1 only: both ranks stop at the same step, save it, exit 0; time-based saves
-    (interval_minutes, decided by rank 0) happened meanwhile; the resumed run ends bit-identical."""
+    """SIGTERM to rank 1 only, as its step 3 begins: both ranks stop at the same step, save it, exit 0; time-based
+    saves (interval_minutes, decided by rank 0) happened meanwhile; the resumed run ends bit-identical."""
     out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = torchrun_cmd(2, out, "--train.steps", "1000", "--checkpoint.interval", "0",
-                       "--checkpoint.interval_minutes", "1e-9")
-    with open(tmp_path / "log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text()):
-            assert time.monotonic() < deadline and proc.poll() is None, "training never logged a step"
-            time.sleep(0.02)
-        os.kill(worker_pid(proc.pid, local_rank=1), signal.SIGTERM)
-        proc.wait(timeout=120)
-    finally:
-        proc.kill()
-    output = (tmp_path / "log").read_text()
+    cmd = [*TORCHRUN, "--nproc_per_node=2", str(WORKER), "term", "1", "3", "--", *TINY, "--train.output_dir", str(out),
+           "--train.steps", "1000", "--checkpoint.interval", "0", "--checkpoint.interval_minutes", "1e-9"]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=180)
+    output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
-    stopped = max(rows(out))
-    assert stopped < STEPS - 1, "stopped too late to test the resume"
-    assert f"stopped at step {stopped} on a stop signal" in output and "SIGTERM: finishing the step" in output
-    saved = complete_steps(root)
-    assert saved[-1] == stopped and saved == list(range(stopped - len(saved) + 1, stopped + 1))
-    assert len(saved) == min(3, stopped - 1)  # saves from step 2 on by time; checkpoint.keep=3
+    # The stop vote cast after step 3 is read after step 4, and acted on there by both ranks.
+    assert max(rows(out)) == 4
+    assert "stopped at step 4 on a stop signal" in output and "SIGTERM: finishing the step" in output
+    assert complete_steps(root) == [2, 3, 4]  # saved by time from step 2 on; checkpoint.keep=3
 
     torchrun(2, out, "--train.steps", str(STEPS), "--checkpoint.interval", "0")
     assert_rows_equal(rows(out), rows(reference), range(1, STEPS + 1))
-
-
-def worker_pid(launcher: int, local_rank: int) -> int:
-    for entry in Path("/proc").iterdir():
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == launcher and f"LOCAL_RANK={local_rank}".encode() in environ:
-            return int(entry.name)
-    raise AssertionError(f"no worker with LOCAL_RANK={local_rank} under pid {launcher}")
 
 
 def test_resume_on_other_world_sizes_and_meshes(reference, tmp_path):
@@ -342,6 +315,13 @@ def test_export_and_import_round_trip(tmp_path, tied):
 
     pytest.importorskip("safetensors")
     assert_init_from_gives(cfg, f"hf:{tmp_path / 'export'}", trained)
+    hint = f"it holds a Hugging Face model: give hf:{tmp_path / 'export'}"
+    with pytest.raises(ck.CheckpointError, match=re.escape(hint)):
+        ck.resolve(tmp_path / "export", "--checkpoint.init_from")  # the export folder without hf:
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.pt", "model.safetensors", "config.json"):  # safetensors writes a 0600 temporary file
+        assert (tmp_path / "export" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
     wider = model_args_from_config(parse_args([*TINY, "--model.dim", "128"]).model)
     with pytest.raises(ck.CheckpointError, match="dim=128 here but 64 there.*--model.dim 64"):
         ck.load_weights(build(wider, device="cpu"), f"hf:{tmp_path / 'export'}", wider)
@@ -400,6 +380,8 @@ def test_export_without_safetensors_writes_model_pt_and_says_why(small, tmp_path
     ck.export(small / "checkpoints", tmp_path / "export", log=messages.append)
     assert (tmp_path / "export/model.pt").is_file() and not (tmp_path / "export/model.safetensors").exists()
     assert "skipped the Hugging Face export: it needs safetensors" in messages[-1]
+    with pytest.raises(ck.CheckpointError, match="holds an exported model.pt, which init_from cannot read"):
+        ck.resolve(tmp_path / "export", "--checkpoint.init_from")
 
 
 def test_rope_row_permutation():
@@ -477,6 +459,11 @@ def test_init_from_a_corrupt_checkpoint_or_hf_folder_names_the_file(small, tmp_p
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and f"checkpoint {source} could not be read" in err, err
     assert "give --checkpoint.init_from an earlier complete checkpoint" in err
+    shard.unlink()
+    with pytest.raises(SystemExit):
+        main([*TINY, "--train.output_dir", str(tmp_path / "run"), "--checkpoint.init_from", str(source)])
+    err = capsys.readouterr().err
+    assert "could not be read (rank 0: FileNotFoundError: " in err and f"{shard}'): a file is corrupt" in err, err
 
     args = model_args_from_config(parse_args(TINY).model)
     hf = tmp_path / "hf"
@@ -491,7 +478,7 @@ def test_init_from_a_corrupt_checkpoint_or_hf_folder_names_the_file(small, tmp_p
         ck.load_weights(build(args, device="cpu"), f"hf:{hf}", args)
 
 
-def test_a_marker_without_the_resume_fields_is_incomplete_and_list_says_so(small, tmp_path, capsys):
+def test_a_marker_without_the_resume_fields_is_unusable_and_list_says_so(small, tmp_path, capsys):
     root = tmp_path / "checkpoints"
     shutil.copytree(small / "checkpoints", root)
     for step, keys in ((2, ["skipped_steps"]), (4, ["consumed_samples"])):  # older checkpoints lack skipped_steps
@@ -499,12 +486,17 @@ def test_a_marker_without_the_resume_fields_is_incomplete_and_list_says_so(small
         for key in keys:
             del state[key]
         (ck.step_dir(root, step) / ck.MARKER).write_text(json.dumps(state))
-    assert ck.find_latest(root)[0] == root / "step_00000002"
+    with pytest.raises(ck.CheckpointError, match=f"step_00000004 cannot be used: it has a {ck.MARKER} without"):
+        ck.find_latest(root)
     ck.main(["list", str(root)])
     out = capsys.readouterr().out
     assert "step_00000002  complete" in out
-    assert (f"step_00000004  INCOMPLETE: it has a {ck.MARKER} without consumed_samples (edited, or written by "
+    assert (f"step_00000004  UNUSABLE: it has a {ck.MARKER} without consumed_samples (edited, or written by "
             "another version of fsdp_trainer?)") in out
+
+    ck.main(["list", str(tmp_path)])  # the output folder, not its checkpoints folder
+    assert f"{tmp_path}: no checkpoints (no step_* folders); did you mean its checkpoints folder, {root}?" in \
+        capsys.readouterr().out
 
     with pytest.raises(SystemExit) as exit_info:
         ck.main(["list", str(tmp_path / "nope")])
@@ -531,6 +523,76 @@ def test_resume_refuses_to_mix_runs_in_one_folder(small, capsys):
         with pytest.raises(SystemExit):
             main([*TINY, "--train.output_dir", str(small), "--checkpoint.resume", resume])
         assert "step_00000004 that this run would mix with its own" in capsys.readouterr().err
+
+
+def test_an_unusable_marker_is_an_error_and_never_deleted(small, tmp_path, capfd):
+    """A committed checkpoint whose marker is of another format (a newer fsdp_trainer's, say) is no interrupted
+    save: resume auto stops at it instead of resuming from an older one, resume from an older one refuses to save
+    next to it, and retention keeps an unreadable one."""
+    out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    shutil.copytree(small / "checkpoints", root)
+    step2, step4 = root / "step_00000002", root / "step_00000004"
+    state = ck.read_trainer_state(step4)
+    (step4 / ck.MARKER).write_text(json.dumps({**state, "format": 2}))
+    flags = [*TINY, "--train.steps", "6", "--checkpoint.interval", "2", "--checkpoint.async_mode", "none",
+             "--train.output_dir", str(out)]
+    before = tree(root)
+    for resume in ("auto", str(step2)):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*flags, "--checkpoint.resume", resume])
+        assert exit_info.value.code == 2
+    err = capfd.readouterr().err
+    assert f"checkpoint {step4} cannot be used: it has a {ck.MARKER} that is not format 1" in err
+    assert "step_00000004 that this run would mix with its own" in err
+    assert tree(root) == before
+    ck.main(["list", str(root)])
+    assert f"{step4}  UNUSABLE: it has a {ck.MARKER} that is not format 1" in capfd.readouterr().out
+
+    (step4 / ck.MARKER).write_text(json.dumps(state))
+    (step2 / ck.MARKER).write_text("{")
+    kept = tree(step2)
+    main([*flags, "--checkpoint.keep", "1"])
+    assert f"resuming from {step4}" in capfd.readouterr().err
+    assert complete_steps(root) == [6] and tree(step2) == kept
+
+
+def test_each_way_past_a_corrupt_checkpoint_works(small, tmp_path, capfd):
+    """A truncated shard in the newest checkpoint: the error gives the first failing rank's cause and two ways on,
+    and each works as written (resume from an earlier one in the same folder would mix two runs)."""
+    out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    shutil.copytree(small / "checkpoints", root)
+    step2, step4 = root / "step_00000002", root / "step_00000004"
+    shard = step4 / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    flags = [*TINY, "--train.steps", "6", "--checkpoint.interval", "2", "--checkpoint.async_mode", "none",
+             "--train.output_dir", str(out)]
+    with pytest.raises(SystemExit):
+        main(flags)
+    err = capfd.readouterr().err
+    rename, elsewhere = f"mv {step4} {step4}.unusable", f"--checkpoint.resume {step2} --checkpoint.dir <new folder>"
+    assert f"checkpoint {step4} could not be read (rank 0: EOFError)" in err and rename in err and elsewhere in err
+
+    main([*flags, *elsewhere.replace("<new folder>", str(tmp_path / "elsewhere")).split()])
+    assert f"resuming from {step2}" in capfd.readouterr().err and complete_steps(tmp_path / "elsewhere") == [4, 6]
+    step4.rename(f"{step4}.unusable")
+    main(flags)
+    assert f"resuming from {step2}" in capfd.readouterr().err and complete_steps(root) == [2, 4, 6]
+
+
+def test_resume_with_another_seq_len_is_refused(small, tmp_path, capfd):
+    """consumed_samples counts windows of the saved train.seq_len (data.py): another length would read other
+    windows, skipping or repeating data. The new run from its weights that the error suggests works."""
+    step4 = small / "checkpoints/step_00000004"
+    before = tree(small)
+    with pytest.raises(SystemExit):
+        main([*TINY, "--train.seq_len", "64", "--train.steps", "6", "--train.output_dir", str(small)])
+    err = capfd.readouterr().err
+    new_run = f"--checkpoint.init_from {step4} --train.output_dir <new folder>"
+    assert f"{step4} was saved with train.seq_len=32 but this run has 64" in err and "--train.seq_len 32" in err
+    assert new_run in err and tree(small) == before
+    main([*TINY, "--train.seq_len", "64", "--train.steps", "2", "--checkpoint.async_mode", "none",
+          *new_run.replace("<new folder>", str(tmp_path)).split()])
+    assert f"initialized the model from {step4}" in capfd.readouterr().err
 
 
 def test_finished_run_resumes_to_nothing(small, capsys):

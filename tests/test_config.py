@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_trainer.config import (Config, ConfigError, grads_in_compute_pool, load_toml, mesh_shape, parse_args, to_toml,
-                                 validate)
+from fsdp_trainer.config import (PATH_FIELDS, Config, ConfigError, check_output_dirs, grads_in_compute_pool, load_toml,
+                                 mesh_shape, parse_args, to_toml, validate)
 from fsdp_trainer.models.llama import model_args_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +105,16 @@ def test_impossible_mesh_is_rejected(replicate, shard, world, message):
     ("train", "max_skipped_steps", -1, "train.max_skipped_steps=-1: must be >= 0"),
     ("memory", "limit_gib", -1.0, "memory.limit_gib=-1.0: must be > 0 GiB"),
     ("dist", "timeout_s", 0.0, "dist.timeout_s=0.0"),
+    ("dist", "timeout_s", float("inf"), "dist.timeout_s=inf: must be finite"),
+    ("dist", "init_timeout_s", float("nan"), "dist.init_timeout_s=nan: must be finite"),
+    ("optim", "lr", float("nan"), "optim.lr=nan: must be finite"),
+    ("optim", "betas", (0.9, float("nan")), "optim.betas=(0.9, nan): must be finite"),
+    ("optim", "grad_clip", float("inf"), "optim.grad_clip=inf: must be finite"),
+    ("memory", "limit_gib", float("inf"), "memory.limit_gib=inf: must be finite"),
+    ("model", "ffn_dim_multiplier", -1.0, "model.ffn_dim_multiplier=-1.0: must be a finite number > 0"),
+    ("model", "ffn_dim_multiplier", 0.0, "model.ffn_dim_multiplier=0.0: must be a finite number > 0"),
+    ("model", "rope_theta", 0.0, "model.rope_theta=0.0: must be a finite number > 0"),
+    ("model", "rope_theta", -1.0, "model.rope_theta=-1.0: must be a finite number > 0"),
     ("profile", "steps", "5:300", "profile.steps=5:300 ends after train.steps=200"),
 ])
 def test_invalid_settings_name_field_value_and_fix(section, key, value, message):
@@ -180,6 +190,55 @@ def test_bad_flag_value_is_rejected_by_the_cli():
 ])
 def test_toml_values_are_type_checked_like_flags(tmp_path, text, message):
     assert message in toml_error(tmp_path, text)[1]
+
+
+def test_home_folder_is_expanded_in_every_path_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    sections = {}
+    for section, name in PATH_FIELDS:
+        sections.setdefault(section, []).append(f'{name} = "~/{section}_{name}"')
+    path = tmp_path / "run.toml"
+    path.write_text("".join(f"[{section}]\n" + "\n".join(lines) + "\n" for section, lines in sections.items()))
+    for cfg in (load_toml(path), parse_args(["--config", str(path)])):
+        for section, name in PATH_FIELDS:
+            assert getattr(getattr(cfg, section), name) == f"{tmp_path}/{section}_{name}"
+    assert parse_args(["--train.output_dir=~/out"]).train.output_dir == f"{tmp_path}/out"  # no shell expands it
+
+
+def output_dirs_cfg(tmp_path, *flags) -> Config:
+    return parse_args(["--train.output_dir", str(tmp_path / "out"), *flags])
+
+
+def test_output_and_checkpoint_folders_are_created_and_left_clean(tmp_path):
+    check_output_dirs(output_dirs_cfg(tmp_path))
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["checkpoints"]
+    assert not any((tmp_path / "out" / "checkpoints").iterdir())
+    check_output_dirs(output_dirs_cfg(tmp_path, "--checkpoint.dir", str(tmp_path / "ckpt")))
+    assert (tmp_path / "ckpt").is_dir() and not any((tmp_path / "ckpt").iterdir())
+    # A run that never saves (but on a stop signal) leaves the checkpoint folder alone.
+    check_output_dirs(output_dirs_cfg(tmp_path, "--checkpoint.dir", str(tmp_path / "unused"), "--checkpoint.interval",
+                                      "0", "--checkpoint.no_save_final"))
+    assert not (tmp_path / "unused").exists()
+
+
+@pytest.mark.parametrize("flag,field", [("--train.output_dir", "train.output_dir"),
+                                        ("--checkpoint.dir", "checkpoint.dir")])
+def test_folders_that_cannot_be_written_are_refused_before_training(tmp_path, flag, field):
+    (tmp_path / "a_file").write_text("")
+    for folder in (tmp_path / "a_file", tmp_path / "a_file" / "sub"):
+        with pytest.raises(ConfigError, match=re.escape(f"{field}: cannot create or write the folder {folder} "
+                                                        "(a file is in the way); choose a folder")):
+            check_output_dirs(output_dirs_cfg(tmp_path, flag, str(folder)))
+
+
+def test_unwritable_checkpoint_folder_exits_at_start_up(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--checkpoint.dir", str(tmp_path / "a_file"),
+                          "--train.steps", "1", "--train.output_dir", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert f"checkpoint.dir: cannot create or write the folder {tmp_path / 'a_file'}" in out.stderr
+    assert "Traceback" not in out.stderr and "step" not in out.stderr
 
 
 def test_toml_numbers_are_coerced_where_a_float_is_expected(tmp_path):

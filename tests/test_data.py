@@ -3,6 +3,7 @@
 import json
 import multiprocessing
 import pickle
+import subprocess
 import sys
 import threading
 from concurrent.futures import ProcessPoolExecutor
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from fsdp_trainer.config import ConfigError, DataConfig
-from fsdp_trainer.data import (BYTE_EOS, SampleOrder, StepSampler, SyntheticTokens, build_dataloader, build_dataset,
+from fsdp_trainer.data import (BYTE_EOS, DataError, SampleOrder, StepSampler, SyntheticTokens, build_dataloader, build_dataset,
                                check_source, load_shards, main, prepare, samples_per_step, stdlib_shards, write_shard)
 
 SEQ_LEN = 8
@@ -359,6 +360,44 @@ def test_setting_errors_name_the_field(tmp_path):
 def test_stdlib_needs_257_tokens(real_stdlib_cache):
     with pytest.raises(ConfigError, match="model.vocab_size=256.*--model.vocab_size 257"):
         check_source(DataConfig(source="stdlib", cache_dir=real_stdlib_cache), 256, 256)
+
+
+def write_bad_token_shards(folder: Path) -> None:
+    """One sample of SEQ_LEN + 1 byte tokens over two shards, whose sidecars say vocab 257, with id 60000 at token 2
+    of the second shard: the sidecars pass the start-up check, the contents do not."""
+    tokens = np.arange(SEQ_LEN + 1)
+    tokens[6] = 60000
+    folder.mkdir()
+    write_shard(folder / "a.bin", tokens[:4], 257, "bytes")
+    write_shard(folder / "b.bin", tokens[4:], 257, "bytes")
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_token_ids_past_the_vocabulary_are_refused_when_read(tmp_path, num_workers):
+    write_bad_token_shards(tmp_path / "bad")
+    cfg = tokens_cfg(tmp_path / "bad", num_workers=num_workers)
+    check_source(cfg, SEQ_LEN, 257)  # a scan of the contents at start-up would take too long on real data
+    loader = build_dataloader(cfg, seq_len=SEQ_LEN, micro_batch_size=1, grad_accum_steps=1, dp_rank=0, dp_size=1,
+                              vocab_size=257)
+    with pytest.raises(DataError) as info:
+        next(iter(loader))
+    message = str(info.value)  # just the message, also when a worker raised it
+    assert message.startswith(f"data.path={tmp_path / 'bad'}: token 2 of shard {tmp_path / 'bad' / 'b.bin'} is id "
+                              "60000, but model.vocab_size=257")
+    assert "python -m fsdp_trainer.data prepare" in message and "--model.vocab_size 60001" in message
+    assert "Traceback" not in message
+
+
+def test_bad_token_ids_end_the_run_with_the_message(tmp_path):
+    write_bad_token_shards(tmp_path / "bad")
+    out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--data.source", "tokens", "--data.path",
+                          str(tmp_path / "bad"), "--model.vocab_size", "257", "--train.seq_len", str(SEQ_LEN),
+                          "--train.micro_batch_size", "1", "--train.steps", "1", "--checkpoint.interval", "0",
+                          "--checkpoint.no_save_final", "--train.output_dir", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "error: [rank 0] data.path=" in out.stderr and "is id 60000" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_prepare_with_a_hugging_face_tokenizer(tmp_path):

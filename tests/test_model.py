@@ -25,6 +25,12 @@ def test_presets_have_the_public_llama3_shapes():
     assert ModelArgs.from_preset("8b", n_layers=2).n_layers == 2
 
 
+@pytest.mark.parametrize("name,published", [("125m", 125e6), ("1b", 1.24e9), ("3b", 3.21e9), ("8b", 8.03e9),
+                                            ("70b", 70.6e9)])
+def test_presets_have_the_size_their_names_say(name, published):
+    assert ModelArgs.from_preset(name).num_params() == pytest.approx(published, rel=0.01)
+
+
 def test_flops_per_token_counts_matmuls_and_attention():
     args = ModelArgs.from_preset("8b")
     d, h, kv, f, v, n = 4096, 128, 8, 14336, 128256, 32
@@ -93,3 +99,13 @@ def test_invalid_shapes_are_rejected_with_the_field_name():
         ModelArgs(dim=100, n_heads=8)
     with pytest.raises(ValueError, match="model.n_kv_heads=3 must divide"):
         ModelArgs(dim=64, n_heads=8, n_kv_heads=3)
+    with pytest.raises(ValueError, match="model.ffn_dim_multiplier=0.001 leaves the SwiGLU no width at model.dim=64"):
+        ModelArgs(dim=64, n_heads=8, ffn_dim_multiplier=0.001, multiple_of=1)
+
+
+@pytest.mark.parametrize("name", ["ffn_dim_multiplier", "rope_theta", "norm_eps"])
+@pytest.mark.parametrize("value", [-1.0, 0.0, float("inf"), float("nan")])
+def test_scalars_that_would_break_the_model_are_rejected(name, value):
+    # Otherwise: a negative or zero FFN width in torch, or NaN losses blamed on the learning rate.
+    with pytest.raises(ValueError, match=f"model.{name}={value}: must be a finite number > 0"):
+        ModelArgs(dim=64, n_heads=8, **{name: value})

@@ -134,59 +134,80 @@ def test_a_teams_own_model_shards_and_matches_plain_training():
         torch.testing.assert_close(state[name], value, atol=1e-5, rtol=0, msg=name)
 
 
-def record_prefetch(prefetch):
-    """Which blocks each block asks FSDP2 to all-gather ahead, in forward and in backward (as block indices)."""
+def record_prefetch(prefetches):
+    """For each prefetch setting, which blocks each block asks FSDP2 to all-gather ahead, in forward and in backward
+    (as block indices)."""
     from torch.distributed.fsdp import FSDPModule
 
     from fsdp_trainer import distributed
     distributed.init()
-    calls = {}
+    mesh = distributed.build_mesh("cpu", 1, 1)
+    results = []
+    for prefetch in prefetches:
+        calls = {}
 
-    def recorder(kind):
-        def record(self, modules):
-            calls.setdefault(kind, {})[id(self)] = [id(m) for m in modules]
-        return record
+        def recorder(kind):
+            def record(self, modules):
+                calls.setdefault(kind, {})[id(self)] = [id(m) for m in modules]
+            return record
 
-    FSDPModule.set_modules_to_forward_prefetch = recorder("forward")
-    FSDPModule.set_modules_to_backward_prefetch = recorder("backward")
-    model = build(ARGS, device="meta")
-    apply_fsdp(model, distributed.build_mesh("cpu", 1, 1), block_types=(TransformerBlock,), prefetch=prefetch)
-    index = {id(block): i for i, block in enumerate(model.layers)}
-    return {kind: {index[k]: [index[m] for m in v] for k, v in by_block.items()} for kind, by_block in calls.items()}
+        FSDPModule.set_modules_to_forward_prefetch = recorder("forward")
+        FSDPModule.set_modules_to_backward_prefetch = recorder("backward")
+        model = build(ARGS, device="meta")
+        apply_fsdp(model, mesh, block_types=(TransformerBlock,), prefetch=prefetch)
+        index = {id(block): i for i, block in enumerate(model.layers)}
+        results.append({kind: {index[k]: [index[m] for m in v] for k, v in by_block.items()}
+                        for kind, by_block in calls.items()})
+    return results
 
 
-def gathered_after_forward(reshard, keep_gathered, embedding_group=False):
-    """Which blocks (and whether the embedding) still hold gathered (plain tensor) parameters between forward and
-    backward."""
+def gathered_after_forward(cases):
+    """For each (reshard_after_forward, keep_gathered, embedding in a group of its own): which blocks, and whether
+    the embedding, still hold gathered (plain tensor) parameters between forward and backward."""
     from torch.distributed.tensor import DTensor
 
     from fsdp_trainer import distributed
     from fsdp_trainer.parallelize import init_weights
     distributed.init()
-    model = build(ARGS, device="meta")
-    apply_fsdp(model, distributed.build_mesh("cpu", 1, 2), block_types=(TransformerBlock,),
-               groups=[[model.tok_embeddings]] if embedding_group else (),
-               param_dtype=torch.float32, reshard_after_forward=reshard, keep_gathered=keep_gathered)
-    init_weights(model, torch.device("cpu"))
-    model(torch.zeros(1, 8, dtype=torch.long)).sum()
-    blocks = [i for i, block in enumerate(model.layers) if not isinstance(block.attention.wq.weight, DTensor)]
-    return blocks, not isinstance(model.tok_embeddings.weight, DTensor)
+    mesh = distributed.build_mesh("cpu", 1, 2)
+    results = []
+    for reshard, keep_gathered, embedding_group in cases:
+        model = build(ARGS, device="meta")
+        apply_fsdp(model, mesh, block_types=(TransformerBlock,),
+                   groups=[[model.tok_embeddings]] if embedding_group else (),
+                   param_dtype=torch.float32, reshard_after_forward=reshard, keep_gathered=keep_gathered)
+        init_weights(model, torch.device("cpu"))
+        model(torch.zeros(1, 8, dtype=torch.long)).sum()
+        blocks = [i for i, block in enumerate(model.layers) if not isinstance(block.attention.wq.weight, DTensor)]
+        results.append((blocks, not isinstance(model.tok_embeddings.weight, DTensor)))
+    return results
 
 
-@pytest.mark.parametrize("reshard,keep,gathered", [
-    ("default", 0, [3]),  # no other groups: the last block runs last in forward and first in backward
-    ("default", 2, [2, 3]),
-    ("default", 3, [1, 2, 3]),
-    ("never", 0, [0, 1, 2, 3]),
-    ("always", 0, []),
-])
-def test_blocks_kept_gathered_after_forward(reshard, keep, gathered):
-    assert [blocks for blocks, _ in run_ranks(gathered_after_forward, 2, reshard, keep)] == [gathered, gathered]
+GATHERED = {  # (reshard_after_forward, keep_gathered): the blocks still gathered after forward
+    ("default", 0): [3],  # no other groups: the last block runs last in forward and first in backward
+    ("default", 2): [2, 3],
+    ("default", 3): [1, 2, 3],
+    ("never", 0): [0, 1, 2, 3],
+    ("always", 0): [],
+}
 
 
-def test_the_module_kept_gathered_is_the_last_to_run_not_the_last_group_listed():
+@pytest.fixture(scope="module")
+def gathered() -> list[dict]:
+    """Per rank, gathered_after_forward's answer for each case of GATHERED and for the embedding in a group of its
+    own: all from one launch of 2 ranks, which costs seconds."""
+    cases = [(reshard, keep, False) for reshard, keep in GATHERED] + [("default", 0, True)]
+    return [dict(zip(cases, answers)) for answers in run_ranks(gathered_after_forward, 2, cases)]
+
+
+@pytest.mark.parametrize("reshard,keep", GATHERED)
+def test_blocks_kept_gathered_after_forward(gathered, reshard, keep):
+    assert [answers[reshard, keep, False][0] for answers in gathered] == [GATHERED[reshard, keep]] * 2
+
+
+def test_the_module_kept_gathered_is_the_last_to_run_not_the_last_group_listed(gathered):
     # The embedding is a group of its own, registered (and run) before the blocks: the last block stays gathered.
-    assert run_ranks(gathered_after_forward, 2, "default", 0, True) == [([3], False)] * 2
+    assert [answers["default", 0, True] for answers in gathered] == [([3], False)] * 2
 
 
 @pytest.mark.parametrize("unsafe", [{"cpu_offload": True}, {"reduce_dtype": torch.bfloat16}])
@@ -200,11 +221,12 @@ def test_gradients_in_the_compute_pool_are_refused_where_the_gradient_is_not_the
 
 
 def test_prefetch_two_asks_each_block_for_the_next_two_in_both_directions():
-    assert run_ranks(record_prefetch, 1, 1) == [{}]  # FSDP2's own schedule
-    assert run_ranks(record_prefetch, 1, 2) == [{
+    one, two = run_ranks(record_prefetch, 1, [1, 2])[0]
+    assert one == {}  # FSDP2's own schedule
+    assert two == {
         "forward": {0: [1, 2], 1: [2, 3], 2: [3], 3: []},
         "backward": {0: [], 1: [0], 2: [1, 0], 3: [2, 1]},
-    }]
+    }
 
 
 def _backward_ops_of_a_teams_model(mode):
@@ -267,3 +289,149 @@ def test_every_group_gathers_in_param_dtype_and_reduces_in_float32(monkeypatch):
     apply_fsdp(model, None, block_types=(TransformerBlock,), groups=[[model.tok_embeddings], [model.norm, model.output]])
     assert len(policies) == ARGS.n_layers + 3
     assert {(p.param_dtype, p.reduce_dtype) for p in policies} == {(torch.bfloat16, torch.float32)}
+
+
+# -- a team's own transformer: torch's MultiheadAttention and LayerNorm, biases, a tied embedding ------------
+class Gate(nn.Module):
+    """A parameter with no reset_parameters() of its own: the block around it fills it."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(width))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class AttentionBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)  # only the private _reset_parameters()
+        self.mlp = nn.Linear(width, width)
+        self.gate = Gate(width)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # Runs after the submodules' own resets, in eager construction as in init_weights: it has the last word.
+        nn.init.constant_(self.gate.scale, 0.5)
+        nn.init.normal_(self.mlp.weight, std=0.02)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.gate(self.attn(h, h, h, need_weights=False)[0] + self.mlp(h))
+
+
+class TiedLM(nn.Module):
+    def __init__(self, vocab: int = 16, width: int = 8, depth: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.Sequential(*(AttentionBlock(width) for _ in range(depth)))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        # The head is reset last, so eager construction and init_weights both leave its initialization in the tie.
+        self.embed.weight = self.head.weight
+
+    def forward(self, tokens):
+        return self.head(self.norm(self.blocks(self.embed(tokens))))
+
+
+def _lm_losses(model, rank, world, steps=3):
+    tokens = torch.randint(0, 16, (steps, 4, 6), generator=torch.Generator().manual_seed(5))
+    # SGD, not Adam: the attention's key bias has a gradient of zero but for rounding, which Adam would blow up to
+    # full steps of either sign.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        batch = tokens[step, rank * 4 // world:(rank + 1) * 4 // world]
+        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def shard_tied_lm(world, groups):
+    """Built on meta, sharded with the tied embedding and head in one unit, initialized by init_weights; its
+    initial weights, then (from the eager reference's weights: the reset_parameters() path draws per rank on CPU)
+    its losses and final weights after training."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
+
+    from fsdp_trainer import distributed
+    from fsdp_trainer.parallelize import init_weights
+    info = distributed.init()
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    with torch.device("meta"):
+        model = TiedLM()
+    apply_fsdp(model, distributed.build_mesh("cpu", 1, world), block_types=(AttentionBlock,),
+               groups=[[getattr(model, name) for name in group] for group in groups], param_dtype=torch.float32)
+    init_weights(model, torch.device("cpu"), seed=0)
+    initial = {name: value.clone() for name, value in get_model_state_dict(model, options=full).items()}  # not views
+    torch.manual_seed(0)
+    set_model_state_dict(model, TiedLM().state_dict(), options=StateDictOptions(full_state_dict=True))
+    losses = torch.stack(_lm_losses(model, info.rank, world))
+    torch.distributed.all_reduce(losses)
+    return initial, (losses / world).tolist(), get_model_state_dict(model, options=full)
+
+
+def test_init_weights_fills_multihead_attention_and_parameters_their_block_resets():
+    """Meta-device init gives eager construction's weights: MultiheadAttention through its _reset_parameters(),
+    the gate through its block's reset_parameters(), which runs after the block's submodules' resets."""
+    from fsdp_trainer.parallelize import init_weights
+
+    torch.manual_seed(0)
+    reference = TiedLM().state_dict()
+    with torch.device("meta"):
+        model = TiedLM()
+    init_weights(model, torch.device("cpu"), seed=0)
+    assert model.embed.weight is model.head.weight
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, reference[name]), name
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_teams_tied_transformer_shards_and_matches_plain_training(world):
+    results = run_ranks(shard_tied_lm, world, world, [["embed", "norm", "head"]])
+    torch.manual_seed(0)
+    reference = TiedLM()
+    ref_losses = [loss.item() for loss in _lm_losses(reference, 0, 1)]
+    initial, losses, state = results[0]
+    if world == 1:  # on more CPU ranks reset_parameters() draws from DTensor's per-rank random streams
+        torch.manual_seed(0)
+        for name, value in TiedLM().state_dict().items():
+            assert torch.equal(initial[name], value), name
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("groups,names", [
+    ([["embed"], ["norm", "head"]], r"head.weight \(in group \[norm, head\]\) is the same parameter as embed.weight "
+                                    r"\(in group \[embed\]\)"),
+    ([["embed"]], r"head.weight \(in the root \(what no block or group holds\)\) is the same parameter as "
+                  r"embed.weight \(in group \[embed\]\)"),
+])
+def test_apply_fsdp_refuses_tied_weights_split_across_units_before_sharding(monkeypatch, groups, names):
+    from fsdp_trainer import parallelize
+
+    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
+    with torch.device("meta"):
+        model = TiedLM()
+    with pytest.raises(ValueError, match=names + ", tied weights, which must live in one FSDP unit: put the "
+                                               r"modules that share it \(embed and head\) in one group"):
+        apply_fsdp(model, None, block_types=(AttentionBlock,),
+                   groups=[[getattr(model, name) for name in group] for group in groups])
+
+
+def test_init_weights_refuses_a_parameter_no_module_around_it_resets():
+    from fsdp_trainer.parallelize import init_weights
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), Gate(4))
+    with pytest.raises(ValueError, match=r"cannot initialize 1.scale: materialized from meta"):
+        init_weights(model, torch.device("cpu"))

@@ -10,6 +10,8 @@ import pytest
 
 from fsdp_trainer.profiling import breakdown, category, parse_steps
 
+from helpers import TINY_FLAGS
+
 
 def kernel(name, start, dur):
     return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": dur}
@@ -54,9 +56,9 @@ def test_kernel_categories_and_step_ranges():
 
 
 def test_profiled_run_writes_a_chrome_trace(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--config", "configs/debug.toml",
+    out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--config", "configs/debug.toml", *TINY_FLAGS,
                           "--train.steps", "4", "--profile.steps", "2:3", "--train.output_dir", str(tmp_path),
-                          "--checkpoint.no_save_final", "--metrics.no_tensorboard"],
+                          "--checkpoint.no_save_final"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     trace = tmp_path / "profile" / "trace_rank0_steps2-3.json"

@@ -45,6 +45,13 @@ class ModelArgs:
                 raise ValueError(f"model.{name}={getattr(self, name)}: must be at least 1")
         if self.ffn_hidden_dim is not None and self.ffn_hidden_dim < 1:
             raise ValueError(f"model.ffn_hidden_dim={self.ffn_hidden_dim}: must be at least 1")
+        # Each of these would otherwise surface as a shape error deep in torch, or as NaN losses (RoPE's frequencies
+        # are powers of rope_theta; RMSNorm divides by sqrt(mean + norm_eps)).
+        for name in ("ffn_dim_multiplier", "rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"model.{name}={value}: must be a finite number > 0; set one, or leave it unset "
+                                 "for the preset's")
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -55,6 +62,9 @@ class ModelArgs:
             # Llama's rule: 2/3 of 4*dim, scaled, rounded up to a multiple of `multiple_of`.
             hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
             self.ffn_hidden_dim = self.multiple_of * math.ceil(hidden / self.multiple_of)
+            if self.ffn_hidden_dim < 1:
+                raise ValueError(f"model.ffn_dim_multiplier={self.ffn_dim_multiplier} leaves the SwiGLU no width "
+                                 f"at model.dim={self.dim}; raise it, or set model.ffn_hidden_dim")
 
     @property
     def head_dim(self) -> int:
@@ -91,7 +101,9 @@ class ModelArgs:
 PRESETS: dict[str, dict[str, Any]] = {
     "debug": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512, ffn_dim_multiplier=1.0,
                   multiple_of=64, max_seq_len=1024, rope_theta=10000.0),
-    "125m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=32768, ffn_dim_multiplier=1.0,
+    # GPT-3 Small's width; 16 blocks, not its 12, make up for a smaller vocabulary and grouped-query attention:
+    # 125.9M parameters.
+    "125m": dict(dim=768, n_layers=16, n_heads=12, n_kv_heads=4, vocab_size=32768, ffn_dim_multiplier=1.0,
                  multiple_of=256, max_seq_len=2048, tie_embeddings=True),
     "1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
                max_seq_len=8192, tie_embeddings=True),
