@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fsdp_trainer.config import Config, ConfigError, load_toml, mesh_shape, to_toml
+from fsdp_trainer.config import Config, ConfigError, checkpoint_root, load_toml, mesh_shape, to_toml
 from fsdp_trainer.data import samples_per_step
 from fsdp_trainer.distributed import DistInfo, logger
 from fsdp_trainer.faults import Watchdog
@@ -547,7 +547,7 @@ class Checkpointer:
                  scheduler, scaler=None, signals: Optional[StopSignals] = None):
         self.cfg, self.info = cfg, info
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
-        self.root = Path(cfg.checkpoint.dir or Path(cfg.train.output_dir) / "checkpoints")
+        self.root = checkpoint_root(cfg)
         self.mode = cfg.checkpoint.async_mode
         # new_group is collective: every rank creates both here, in this order. DCP's collectives run on one
         # (from a background thread while an async save is in flight), the votes on the other, so the two never

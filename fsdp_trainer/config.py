@@ -516,6 +516,11 @@ def _float_settings(cfg: Config):
                     yield f"{section.name}.{f.name}", value
 
 
+def checkpoint_root(cfg: Config) -> Path:
+    """The folder the run's checkpoints go to: checkpoint.dir, else <train.output_dir>/checkpoints."""
+    return Path(cfg.checkpoint.dir or Path(cfg.train.output_dir) / "checkpoints")
+
+
 def check_output_dirs(cfg: Config) -> None:
     """Create train.output_dir, and the checkpoint folder if this run saves other than on a stop signal, and write
     a file in each: a folder that cannot hold them fails here, before any process group or GPU memory, instead of
@@ -523,9 +528,9 @@ def check_output_dirs(cfg: Config) -> None:
     system: folders are created if missing, and each test file has a unique name and is removed at once."""
     c = cfg.checkpoint
     folders = {"train.output_dir": Path(cfg.train.output_dir)}
-    if c.interval or c.interval_minutes or c.save_final:  # as checkpoint.Checkpointer derives its root
+    if c.interval or c.interval_minutes or c.save_final:
         folders["checkpoint.dir" if c.dir else "checkpoint.dir (unset: <train.output_dir>/checkpoints)"] = \
-            Path(c.dir or Path(cfg.train.output_dir) / "checkpoints")
+            checkpoint_root(cfg)
     for name, folder in folders.items():
         try:
             folder.mkdir(parents=True, exist_ok=True)
