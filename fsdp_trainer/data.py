@@ -19,6 +19,7 @@ only on G, so a run resumed from its consumed-sample count on any number of rank
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import logging
@@ -29,6 +30,7 @@ import sys
 import sysconfig
 import tempfile
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, NamedTuple, NoReturn, Optional, Sequence
@@ -373,14 +375,31 @@ def _ignore_stop_signals(worker_id: int) -> None:
 
 
 def stop_workers(batches) -> None:
-    """Stop the loader's worker processes now, whether training ended or raised.
-
-    They ignore SIGTERM (`_ignore_stop_signals`), and Python's exit stops leftover children with SIGTERM and then
-    waits for them. A rank that raised keeps its loader referenced from the traceback until then, so it would hang
-    at exit instead of ending the job."""
+    """Stop the loader's worker processes now (the trainer's, whether training ended or raised)."""
     shutdown = getattr(batches, "_shutdown_workers", None)  # the multi-process iterator's own shutdown
     if shutdown is not None:
         shutdown()
+
+
+_running_iterators: "weakref.WeakSet" = weakref.WeakSet()
+
+
+class _Loader(StatefulDataLoader):
+    """A StatefulDataLoader whose worker processes are stopped before Python's exit stops them.
+
+    Python's exit stops leftover children with SIGTERM and then waits for them; our workers ignore SIGTERM
+    (`_ignore_stop_signals`), so any iterator still referenced then (from a traceback, say) would hang the exit."""
+
+    def _get_iterator(self):
+        batches = super()._get_iterator()
+        _running_iterators.add(batches)
+        return batches
+
+
+@atexit.register  # registered after multiprocessing's own exit handler (torch imports it), so it runs before it
+def _stop_running_workers() -> None:
+    for batches in list(_running_iterators):
+        stop_workers(batches)
 
 
 def build_dataloader(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, grad_accum_steps: int, dp_rank: int,
@@ -393,7 +412,7 @@ def build_dataloader(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, gr
     with warnings.catch_warnings():
         # torchdata 0.11 calls torch.set_vital, deprecated in newer torch; the warning says nothing about our run.
         warnings.filterwarnings("ignore", message=".*set_vital.*")
-        return StatefulDataLoader(
+        return _Loader(
             dataset,
             batch_sampler=sampler,
             num_workers=cfg.num_workers,

@@ -1,3 +1,5 @@
+import multiprocessing
+
 import pytest
 import torch
 
@@ -10,3 +12,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run, rather than hang at exit, when a test left child processes running: Python's exit waits for
+    them, and one that ignores SIGTERM (a data loader worker) would be waited for forever."""
+    leftovers = multiprocessing.active_children()
+    for child in leftovers:
+        child.kill()
+        child.join()
+    if leftovers:
+        names = ", ".join(f"{c.name} (pid {c.pid})" for c in leftovers)
+        writer = session.config.get_terminal_writer()
+        writer.line()
+        writer.line(f"FAILED: the tests left child processes running: {names}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -15,7 +15,8 @@ import torch
 
 from fsdp_trainer.config import ConfigError, DataConfig
 from fsdp_trainer.data import (BYTE_EOS, DataError, SampleOrder, StepSampler, SyntheticTokens, build_dataloader, build_dataset,
-                               check_source, load_shards, main, prepare, samples_per_step, stdlib_shards, write_shard)
+                               check_source, load_shards, main, prepare, samples_per_step, stdlib_shards, stop_workers,
+                               write_shard)
 
 SEQ_LEN = 8
 NUM_SAMPLES = 40
@@ -379,13 +380,29 @@ def test_token_ids_past_the_vocabulary_are_refused_when_read(tmp_path, num_worke
     check_source(cfg, SEQ_LEN, 257)  # a scan of the contents at start-up would take too long on real data
     loader = build_dataloader(cfg, seq_len=SEQ_LEN, micro_batch_size=1, grad_accum_steps=1, dp_rank=0, dp_size=1,
                               vocab_size=257)
-    with pytest.raises(DataError) as info:
-        next(iter(loader))
+    batches = iter(loader)
+    try:
+        with pytest.raises(DataError) as info:
+            next(batches)
+    finally:
+        stop_workers(batches)
     message = str(info.value)  # just the message, also when a worker raised it
     assert message.startswith(f"data.path={tmp_path / 'bad'}: token 2 of shard {tmp_path / 'bad' / 'b.bin'} is id "
                               "60000, but model.vocab_size=257")
     assert "python -m fsdp_trainer.data prepare" in message and "--model.vocab_size 60001" in message
     assert "Traceback" not in message
+
+
+def test_a_loader_left_running_does_not_hang_the_exit(shards):
+    """Workers ignore SIGTERM, with which Python's exit stops leftover children before waiting for them: a process
+    that ends while it still references a running loader (as a traceback does) must stop its workers first."""
+    script = ("from fsdp_trainer.config import DataConfig\nfrom fsdp_trainer.data import build_dataloader\n"
+              f"cfg = DataConfig(source='tokens', path={str(shards)!r}, num_workers=2)\n"
+              f"batches = iter(build_dataloader(cfg, seq_len={SEQ_LEN}, micro_batch_size=1, grad_accum_steps=1, "
+              f"dp_rank=0, dp_size=1, vocab_size={VOCAB}))\n"
+              "next(batches)\nprint('read a batch')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "read a batch\n", out.stderr
 
 
 def test_bad_token_ids_end_the_run_with_the_message(tmp_path):
