@@ -99,12 +99,18 @@ HOST_ADAMW_BW = 10e9
 GATHER_COPY_SECONDS_PER_BYTE = 1.3e-3 / GiB
 """Compute-stream time of FSDP2's copies per all-gathered byte: 32 fewer re-gathers of the 8B's blocks (13.6 GiB
 per step) made a 4 x H200 step 18 ms shorter (benchmarks/README.md, keeping blocks gathered)."""
-OP_AC_RECOMPUTE = 0.01
-"""Per-op AC recomputes only elementwise work (norms, RoPE, SiLU), no matmuls: compiled per-op AC took 0.7-1.1% more
-time per token than compiled no AC in six 8B sweeps on 4 H200s (benchmarks/results/2026-11-26-H200x4/llama3_8b.json:
-9,662 against 9,733 tokens/s/GPU; _clipped, _after_review, _grads_pool, _levers, _earlier_machine) and 0.1-0.9% on
-one GPU (llama3_8b_8layers.json). No sweep ran eager without AC, so eager's cost is not known; it is taken as the
-same."""
+OP_AC_RECOMPUTE = {"compiled": 0.01, "eager": 0.028}
+"""Per-op AC recomputes only elementwise work (norms, RoPE, SiLU), no matmuls; Inductor fuses it into neighbouring
+kernels, eager runs each op on its own. Extra time per token against no AC, 8B on 4 H200s
+(benchmarks/results/2026-11-26-H200x4/): compiled 0.7-1.1% in seven sweeps (llama3_8b.json: 9,662 against 9,733
+tokens/s/GPU; _eager_noac_sweep, _clipped, _after_review, _grads_pool, _levers, _earlier_machine), 0.1-0.9% on one
+GPU (llama3_8b_8layers.json); eager 2.8% (llama3_8b_eager_noac.json: 8,920 against 9,168, on one machine)."""
+FORWARD_TIME_PER_FLOP = 0.62
+"""A block's forward takes this share of the time its FLOPs would take at the step's average rate, as backward's
+kernels (attention's above all) run slower per FLOP than forward's. Full AC, which runs every forward again, took
+20.3-20.9% more time per token than no AC, compiled, for the 8B on 4 H200s in six sweeps (llama3_8b.json: 7,940
+against 9,567 tokens/s/GPU in _eager_noac_sweep), where the forward is 31.5% of the FLOPs; and 14.6-15.4% for its
+8-block cut on one H100 or H200 (llama3_8b_8layers.json), where it is 27.1%."""
 SAME_SPEED = 0.005
 """Changes in time per token smaller than this read as "~same speed", and are not offered to a run that fits."""
 OPTION_MARGIN = 0.02
@@ -423,12 +429,13 @@ ROW_LABELS = {
 def _recompute_fraction(s: _Setup) -> float:
     """Extra compute of activation checkpointing, as a fraction of a step without it."""
     if s.ac_mode == "op":
-        return OP_AC_RECOMPUTE
+        return OP_AC_RECOMPUTE["compiled" if s.compiled else "eager"]
     checkpointed = block_modes(s.args.n_layers, s.ac_mode, s.ac_every).count("checkpointed")
     # A checkpointed block runs its forward twice; forward is a third of the block's training FLOPs.
     block_matmul_params = s.args.num_matmul_params() - s.args.vocab_size * s.args.dim
     block_forward = 2 * block_matmul_params + 4 * s.args.n_layers * s.args.dim * s.seq
-    return block_forward * checkpointed / s.args.n_layers / s.args.flops_per_token(s.seq)
+    flops_share = block_forward * checkpointed / s.args.n_layers / s.args.flops_per_token(s.seq)
+    return FORWARD_TIME_PER_FLOP * flops_share
 
 
 def _step_seconds(s: _Setup) -> float:
