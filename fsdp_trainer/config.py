@@ -522,15 +522,13 @@ def checkpoint_root(cfg: Config) -> Path:
 
 
 def check_output_dirs(cfg: Config) -> None:
-    """Create train.output_dir, and the checkpoint folder if this run saves other than on a stop signal, and write
-    a file in each: a folder that cannot hold them fails here, before any process group or GPU memory, instead of
-    at the first save after hours of training. Every rank of every node may run this at once on a shared file
-    system: folders are created if missing, and each test file has a unique name and is removed at once."""
-    c = cfg.checkpoint
-    folders = {"train.output_dir": Path(cfg.train.output_dir)}
-    if c.interval or c.interval_minutes or c.save_final:
-        folders["checkpoint.dir" if c.dir else "checkpoint.dir (unset: <train.output_dir>/checkpoints)"] = \
-            checkpoint_root(cfg)
+    """Create train.output_dir and the checkpoint folder (every run saves there on a stop signal), and write a file
+    in each: a folder that cannot hold them fails here, before any process group or GPU memory, instead of at the
+    first save after hours of training. Every rank of every node may run this at once on a shared file system:
+    folders are created if missing, and each test file has a unique name and is removed at once."""
+    folders = {"train.output_dir": Path(cfg.train.output_dir),
+               "checkpoint.dir" if cfg.checkpoint.dir else "checkpoint.dir (unset: <train.output_dir>/checkpoints)":
+               checkpoint_root(cfg)}
     for name, folder in folders.items():
         try:
             folder.mkdir(parents=True, exist_ok=True)
