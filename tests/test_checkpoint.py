@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp_trainer import checkpoint as ck
-from fsdp_trainer import distributed
+from fsdp_trainer import distributed, weights
 from fsdp_trainer.config import parse_args
 from fsdp_trainer.models.llama import build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler
@@ -324,7 +324,7 @@ def test_export_and_import_round_trip(tmp_path, tied):
         assert (tmp_path / "export" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
     wider = model_args_from_config(parse_args([*TINY, "--model.dim", "128"]).model)
     with pytest.raises(ck.CheckpointError, match="dim=128 here but 64 there.*--model.dim 64"):
-        ck.load_weights(build(wider, device="cpu"), f"hf:{tmp_path / 'export'}", wider)
+        weights.load_weights(build(wider, device="cpu"), f"hf:{tmp_path / 'export'}", wider)
     if not tied:
         assert_sharded_hf_folders_load_and_a_missing_lm_head_is_named(tmp_path, cfg, trained)
     transformers = pytest.importorskip("transformers")
@@ -358,7 +358,7 @@ def assert_sharded_hf_folders_load_and_a_missing_lm_head_is_named(tmp_path, cfg,
     save_file({name: t for name, t in tensors.items() if name != "lm_head.weight"}, headless / "model.safetensors")
     args = model_args_from_config(cfg.model)
     with pytest.raises(ck.CheckpointError, match="lm_head.weight is missing"):
-        ck.load_weights(build(args, device="cpu"), f"hf:{headless}", args)
+        weights.load_weights(build(args, device="cpu"), f"hf:{headless}", args)
 
 
 def assert_init_from_gives(cfg, source: str, want: dict[str, torch.Tensor]) -> None:
@@ -377,7 +377,7 @@ def assert_init_from_gives(cfg, source: str, want: dict[str, torch.Tensor]) -> N
 def test_export_without_safetensors_writes_model_pt_and_says_why(small, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)  # makes `import safetensors.torch` fail
     messages = []
-    ck.export(small / "checkpoints", tmp_path / "export", log=messages.append)
+    weights.export(small / "checkpoints", tmp_path / "export", log=messages.append)
     assert (tmp_path / "export/model.pt").is_file() and not (tmp_path / "export/model.safetensors").exists()
     assert "skipped the Hugging Face export: it needs safetensors" in messages[-1]
     with pytest.raises(ck.CheckpointError, match="holds an exported model.pt, which init_from cannot read"):
@@ -390,14 +390,14 @@ def test_rope_row_permutation():
     heads, head_dim, seq, theta = 2, 8, 5, 10000.0
     w, x = torch.randn(heads * head_dim, 16), torch.randn(1, seq, 16)
     ours = apply_rope((x @ w.T).view(1, seq, heads, head_dim), rope_table(head_dim, seq, theta))
-    q = (x @ ck.to_hf_rows(w, heads).T).view(1, seq, heads, head_dim)
+    q = (x @ weights.to_hf_rows(w, heads).T).view(1, seq, heads, head_dim)
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
     angles = torch.outer(torch.arange(seq).float(), inv_freq).repeat(1, 2)[:, None]
     rotate_half = torch.cat([-q[..., head_dim // 2:], q[..., :head_dim // 2]], -1)
     theirs = q * angles.cos() + rotate_half * angles.sin()
-    rows = ck.to_hf_rows(torch.arange(heads * head_dim).float()[:, None], heads).long().flatten()
+    rows = weights.to_hf_rows(torch.arange(heads * head_dim).float()[:, None], heads).long().flatten()
     torch.testing.assert_close(ours.flatten(2)[..., rows], theirs.flatten(2))
-    assert torch.equal(ck.from_hf_rows(ck.to_hf_rows(w, heads), heads), w)
+    assert torch.equal(weights.from_hf_rows(weights.to_hf_rows(w, heads), heads), w)
 
 
 def test_shape_mismatch_names_key_and_shapes_and_deletes_nothing(small, capsys):
@@ -471,11 +471,11 @@ def test_init_from_a_corrupt_checkpoint_or_hf_folder_names_the_file(small, tmp_p
     (hf / "config.json").write_text('{"hidden_size": 64,')
     pytest.importorskip("safetensors")
     with pytest.raises(ck.CheckpointError, match="config.json is unreadable .*; download or export the model again"):
-        ck.load_weights(build(args, device="cpu"), f"hf:{hf}", args)
+        weights.load_weights(build(args, device="cpu"), f"hf:{hf}", args)
     (hf / "config.json").write_text("{}")
     (hf / "model.safetensors.index.json").write_text('{"metadata": {}}')
     with pytest.raises(ck.CheckpointError, match="model.safetensors.index.json is unreadable .*KeyError: 'weight_map'"):
-        ck.load_weights(build(args, device="cpu"), f"hf:{hf}", args)
+        weights.load_weights(build(args, device="cpu"), f"hf:{hf}", args)
 
 
 def test_a_marker_without_the_resume_fields_is_unusable_and_list_says_so(small, tmp_path, capsys):

@@ -1,0 +1,253 @@
+"""Model weights in and out of the trainer: a checkpoint's weights exported as one consolidated model.pt and as a
+Hugging Face Llama (config.json + model.safetensors), and a model filled from a checkpoint (resharded by DCP) or
+from a Hugging Face Llama folder, for checkpoint.init_from. Training state (optimizer, data position, RNG) does not
+travel this way: resuming is checkpoint.py's.
+
+Runbook:
+    python -m fsdp_trainer.checkpoint export outputs/checkpoints/step_00000200 exported/  # main() calls export()
+    python -m fsdp_trainer.train --checkpoint.init_from hf:exported/ ...   # Checkpointer.restore: load_weights()
+    python -m fsdp_trainer.train --checkpoint.init_from outputs/checkpoints ...  # or a checkpoint's weights
+
+Our q and k projections keep Meta's interleaved RoPE pairs; Hugging Face's rotate-half layout pairs rows half a
+head apart, so those rows are permuted on the way out (to_hf_rows) and back on the way in (from_hf_rows).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fsdp_trainer.checkpoint import (CONFIG, DCP_ERRORS, CheckpointError, check_shapes, dcp_cause, load_dcp,
+                                     read_metadata, resolve, tensor_shapes)
+from fsdp_trainer.config import Config, load_toml, to_toml
+from fsdp_trainer.distributed import logger
+from fsdp_trainer.models.llama import ModelArgs, model_args_from_config
+
+
+def _hf_names(n_layers: int) -> dict[str, str]:
+    """Our parameter names -> Hugging Face LlamaForCausalLM's."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    block = {"attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+             "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+             "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+             "feed_forward.w2.weight": "mlp.down_proj.weight", "attention_norm.weight": "input_layernorm.weight",
+             "ffn_norm.weight": "post_attention_layernorm.weight"}
+    for i in range(n_layers):
+        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in block.items()})
+    return names
+
+
+def _rope_heads(name: str, args: ModelArgs) -> Optional[int]:
+    """Heads of a projection whose output rows RoPE rotates (q and k), else None."""
+    if name.endswith("attention.wq.weight"):
+        return args.n_heads
+    if name.endswith("attention.wk.weight"):
+        return args.n_kv_heads
+    return None
+
+
+def to_hf_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder q/k rows from Meta's interleaved RoPE pairs (x0,x1),(x2,x3)... to HF's rotate-half layout, whose
+    pairs are (x_i, x_{i+d/2}): within each head, the even rows, then the odd ones."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def from_hf_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of to_hf_rows."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Our full state dict -> HF Llama's (a tied output projection is left to tie_word_embeddings)."""
+    out = {}
+    for ours, theirs in _hf_names(args.n_layers).items():
+        if ours == "output.weight" and args.tie_embeddings:
+            continue
+        heads = _rope_heads(ours, args)
+        tensor = state[ours] if heads is None else to_hf_rows(state[ours], heads)
+        out[theirs] = tensor.contiguous()
+    return out
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
+    """config.json of the equivalent transformers LlamaForCausalLM."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
+            "intermediate_size": args.ffn_hidden_dim, "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+            "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len, "rope_theta": args.rope_theta,
+            "rms_norm_eps": args.norm_eps, "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "initializer_range": 0.02,
+            "torch_dtype": str(dtype).removeprefix("torch.")}
+
+
+def load_consolidated(path: Path) -> tuple[dict[str, torch.Tensor], Config]:
+    """The full (unsharded) model weights of a complete checkpoint and its config, read in this one process
+    without a process group: DCP fills tensors allocated from its metadata, whatever the saving world size."""
+    path = resolve(path, "checkpoint")
+    metadata = read_metadata(path, "export an earlier complete checkpoint")
+    state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+            dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
+    except DCP_ERRORS as err:
+        raise CheckpointError(f"checkpoint {path} could not be read ({dcp_cause(err)}): a file is corrupt or "
+                              "truncated; export an earlier complete checkpoint") from err
+    cfg = load_toml(path / CONFIG)
+    if model_args_from_config(cfg.model).tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]  # one tensor again, as in the model
+    return state, cfg
+
+
+def export(path: str | Path, out_dir: str | Path, dtype: Optional[torch.dtype] = None,
+           log: Callable[[str], None] = print) -> Path:
+    """Write a checkpoint's weights to out_dir as model.pt (our names; `Transformer.load_state_dict` takes it)
+    and, if safetensors is installed, as a Hugging Face Llama (config.json + model.safetensors)."""
+    state, cfg = load_consolidated(Path(path))
+    args = model_args_from_config(cfg.model)
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+        if args.tie_embeddings:
+            state["output.weight"] = state["tok_embeddings.weight"]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(state, out / "model.pt")
+    (out / CONFIG).write_text(to_toml(cfg))
+    log(f"wrote {out / 'model.pt'} ({len(state)} tensors, {args.num_params() / 1e6:,.1f}M parameters)")
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        log("skipped the Hugging Face export: it needs safetensors (pip install safetensors, or fsdp_trainer[hf])")
+        return out
+    save_file(to_hf(state, args), str(out / "model.safetensors"), metadata={"format": "pt"})
+    # safetensors writes a temporary file (mode 0600) and renames it; give it the mode of model.pt, which open()
+    # created through the umask like every other file here.
+    shutil.copymode(out / "model.pt", out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(hf_config(args, state["norm.weight"].dtype), indent=2) + "\n")
+    log(f"wrote {out / 'model.safetensors'} and config.json: transformers' LlamaForCausalLM.from_pretrained loads it")
+    return out
+
+
+def _read_hf_json(path: Path, key: Optional[str] = None) -> dict:
+    """A JSON object of a Hugging Face model folder (its `key` entry, if given), or a CheckpointError naming the
+    file."""
+    try:
+        value = json.loads(path.read_text())
+        if key is not None:
+            value = value[key]
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a JSON object, found {type(value).__name__}")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"hf:{path.parent}: {path.name} is unreadable or not as Hugging Face writes it "
+                              f"({type(err).__name__}: {err}); download or export the model again") from None
+    return value
+
+
+def _hf_tensor_files(folder: Path) -> dict[str, Path]:
+    """HF tensor name -> the .safetensors file holding it (one file, or shards listed by an index)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: folder / file for name, file in _read_hf_json(index, "weight_map").items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"hf:{folder}: has neither model.safetensors nor model.safetensors.index.json")
+    from safetensors import safe_open
+    with safe_open(str(single), "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _check_hf_config(folder: Path, args: ModelArgs) -> None:
+    config = _read_hf_json(folder / "config.json")
+    fields = {"hidden_size": ("dim", args.dim), "num_hidden_layers": ("n_layers", args.n_layers),
+              "num_attention_heads": ("n_heads", args.n_heads),
+              "num_key_value_heads": ("n_kv_heads", args.n_kv_heads),
+              "intermediate_size": ("ffn_hidden_dim", args.ffn_hidden_dim),
+              "vocab_size": ("vocab_size", args.vocab_size),
+              "tie_word_embeddings": ("tie_embeddings", args.tie_embeddings)}
+    wrong = [(flag, config[key], ours) for key, (flag, ours) in fields.items() if key in config and config[key] != ours]
+    if wrong:
+        sets = ", ".join(f"{flag}={ours} here but {theirs} there" for flag, theirs, ours in wrong)
+        flags = " ".join(f"--model.{flag} {theirs}" for flag, theirs, _ in wrong)
+        raise CheckpointError(f"hf:{folder}: config.json does not fit this model ({sets}); set {flags}")
+    if config.get("rope_theta", args.rope_theta) != args.rope_theta or config.get("rope_scaling"):
+        logger.warning(f"hf:{folder}: RoPE differs (rope_theta {config.get('rope_theta')}, rope_scaling "
+                       f"{config.get('rope_scaling')}; this model: rope_theta {args.rope_theta}, no scaling): "
+                       "positions will be encoded differently from the original model")
+
+
+def _hf_full_tensors(folder: Path, args: ModelArgs,
+                     shapes: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, full tensor in our layout) for each parameter in `shapes` (our name -> full shape), one tensor
+    in memory at a time; every shape is checked before the first tensor is read."""
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise CheckpointError("checkpoint.init_from=hf:... needs safetensors: pip install safetensors "
+                              "(or fsdp_trainer[hf])") from None
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"hf:{folder}: no config.json; expected a Hugging Face Llama model folder")
+    _check_hf_config(folder, args)
+    files, theirs = _hf_tensor_files(folder), _hf_names(args.n_layers)
+    if args.tie_embeddings:  # HF omits lm_head.weight when tied; untied, its absence is an error below
+        theirs["output.weight"] = theirs["tok_embeddings.weight"]
+    problems = []
+    for name, expected in shapes.items():
+        if theirs[name] not in files:
+            problems.append(f"{theirs[name]} is missing")
+            continue
+        with safe_open(str(files[theirs[name]]), "pt") as f:
+            shape = tuple(f.get_slice(theirs[name]).get_shape())
+        if shape != expected:
+            problems.append(f"{theirs[name]} has shape {list(shape)} there but our {name} is {list(expected)}")
+    if problems:
+        raise CheckpointError(f"hf:{folder} does not fit this model: {'; '.join(problems[:3])}; set the --model.* "
+                              "flags to match its config.json")
+    for name in shapes:
+        with safe_open(str(files[theirs[name]]), "pt") as f:
+            tensor = f.get_tensor(theirs[name])
+        heads = _rope_heads(name, args)
+        yield name, tensor if heads is None else from_hf_rows(tensor, heads)
+
+
+@torch.no_grad()
+def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    full = full.to(device=param.device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        # Every rank holds the full tensor, so each cuts its own shard without communication.
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param = param.to_local()
+    param.copy_(full)
+
+
+def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Fill a (sharded) model with the weights of a checkpoint (a folder, resharded by DCP) or of hf:<folder> (a
+    Hugging Face Llama); shapes are checked first, and a mismatch raises a CheckpointError naming it."""
+    if source.startswith("hf:"):
+        params = dict(model.named_parameters())  # a tied weight appears once; a DTensor's shape is the full one
+        shapes = {name: tuple(p.shape) for name, p in params.items()}
+        for name, full in _hf_full_tensors(Path(source[3:]).expanduser(), args, shapes):
+            _copy_full(params[name], full)
+        return
+    path = resolve(source, "--checkpoint.init_from")
+    model_sd = get_model_state_dict(model)
+    fix = "give --checkpoint.init_from an earlier complete checkpoint"
+    check_shapes(path, read_metadata(path, fix), tensor_shapes({"model": model_sd}), "model.",
+                 "Set the --model.* flags it was saved with.")
+    load_dcp({"model": model_sd}, path, group, fix)
+    set_model_state_dict(model, model_sd)
