@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_trainer import distributed, train
 from fsdp_trainer.config import parse_args, resolve_param_dtype
-from fsdp_trainer.data import build_dataloader, samples_per_step
+from fsdp_trainer.data import build_dataloader, build_dataset, samples_per_step
 from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler
 from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile
@@ -62,9 +62,10 @@ def worker(mode: str, config: str, steps: int, warmup: int, overrides: list[str]
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.optim, steps)
     t = cfg.train
-    batches = iter(build_dataloader(cfg.data, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
+    batches = iter(build_dataloader(build_dataset(cfg.data, t.seq_len, args.vocab_size),
+                                    num_workers=cfg.data.num_workers, micro_batch_size=t.micro_batch_size,
                                     grad_accum_steps=t.grad_accum_steps, dp_rank=info.rank,
-                                    dp_size=info.world_size, vocab_size=args.vocab_size, device_type=device.type))
+                                    dp_size=info.world_size, device_type=device.type))
     for step in range(steps):
         if step == warmup:
             if cuda:

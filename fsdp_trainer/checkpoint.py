@@ -11,8 +11,9 @@ Runbook:
     # step in progress and one more (the ranks' vote is read a step late, to need no sync), saves, waits for the
     # save and exits 0 (during start-up: exits 0 before the first step, having nothing new to save); a second
     # signal exits at once. Signal the ranks, not torchrun:
-    # torchrun dies of SIGUSR1, and passes SIGTERM on but kills the ranks 30 s later, saved or not. E.g. on each
-    # node `pkill -USR1 -f fsdp_trainer.train` (a Slurm batch script can trap --signal=B:USR1@300 to run it).
+    # torchrun dies of SIGUSR1, and passes SIGTERM on but kills the ranks 30 s later, saved or not. So start
+    # `bash launch/relay_signals.sh torchrun ...` and signal that script, or on each node signal torchrun's
+    # children: `pkill -USR1 -P <torchrun's pid>` (`pkill -f fsdp_trainer.train` matches torchrun itself too).
     python -m fsdp_trainer.checkpoint list outputs/checkpoints
     python -m fsdp_trainer.checkpoint export outputs/checkpoints/step_00000200 exported/  # model.pt (+ HF Llama)
     python -m fsdp_trainer.train --checkpoint.init_from hf:exported/ ...                  # fine-tune from those
@@ -23,7 +24,8 @@ Layout of <checkpoint.dir>/step_00000200/:
     config.toml          the resolved config of the run that saved it (export reads the model shape from it)
     trainer_state.json   written last, by rank 0, once DCP finished: its presence marks the checkpoint committed.
                          Holds step, consumed_samples, tokens_seen, skipped_steps (non-finite), LR-scheduler and
-                         grad-scaler state, world size, seq_len.
+                         grad-scaler state, world size, seq_len, the data's identity, and started_from (the
+                         checkpoint this run was first resumed from, if one was named).
 A folder without trainer_state.json is an interrupted save: resume skips it, and retention or the next save of its
 step deletes it. A committed checkpoint whose trainer_state.json cannot be used (unreadable, another format) is an
 error at resume and is never deleted: only its owner can tell whether it was damaged or written by another version.
@@ -539,12 +541,13 @@ class Checkpointer:
             ckpt.finish(progress)              # the final save, waited for
 
     `signals` are the process's StopSignals, installed by the caller (train.main does so first thing); without
-    them, no signal stops the run.
+    them, no signal stops the run. `data` is the dataset's identity() (data.py): checkpoints keep it, and resume
+    refuses other data unless checkpoint.allow_data_change.
     """
 
     def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler, scaler=None, signals: Optional[StopSignals] = None):
-        self.cfg, self.info = cfg, info
+                 scheduler, scaler=None, signals: Optional[StopSignals] = None, data: Optional[dict] = None):
+        self.cfg, self.info, self.data = cfg, info, data
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.root = checkpoint_root(cfg)
         self.mode = cfg.checkpoint.async_mode
@@ -562,8 +565,9 @@ class Checkpointer:
         self._stager = ReusedBufferStager(info.device) if self.mode == "async_pinned" else None
         self.stopped = False
         self._pending: Optional[_Save] = None
-        self._deleter: Optional[threading.Thread] = None
+        self._deletions: list[tuple[threading.Thread, set[Path]]] = []  # retention's, with their folders
         self._saved_step = -1
+        self._started_from: Optional[str] = None  # set by restore(): see _choose_resume
         self._last_save = time.monotonic()
         self._config_toml = to_toml(cfg)
 
@@ -574,7 +578,7 @@ class Checkpointer:
         checkpoint at or past train.steps is only checked, not loaded: there is nothing left to train.
         Exits 0 on every rank if a stop signal reached any of them during start-up: nothing new is trained, so
         nothing needs saving, and the time a preemption grants is better spent exiting than compiling."""
-        path = self._agree(self._choose_resume)
+        path, self._started_from = self._agree(self._choose_resume)
         c = self.cfg.checkpoint
         if path is not None:
             if c.init_from:
@@ -609,33 +613,50 @@ class Checkpointer:
             raise CheckpointError(value)
         return value
 
-    def _choose_resume(self) -> Optional[str]:
+    def _choose_resume(self) -> tuple[Optional[str], Optional[str]]:
+        """The checkpoint to resume from (None: start fresh), and the one that this run's line of checkpoints
+        started from, which its saves record: the checkpoint named to --checkpoint.resume, kept by every resume
+        since. So the same command, run again after a preemption, a crash or a requeue, resumes its own newest
+        checkpoint instead of refusing to mix with it."""
         resume = self.cfg.checkpoint.resume
         if resume == "none":
             self._refuse_mixing(after_step=-1, flag="--checkpoint.resume none")
-            return None
-        if resume == "auto":
-            latest, skipped = find_latest(self.root)
-            for path, reason in skipped:
-                logger.warning(f"skipping {path}: it {reason}")
-            if latest is None:
-                logger.info(f"no complete checkpoint in {self.root}: starting fresh")
-            return None if latest is None else str(latest)
-        path = resolve(resume, "--checkpoint.resume")
-        self._refuse_mixing(after_step=read_trainer_state(path)["step"], flag=f"--checkpoint.resume {path}")
-        return str(path)
+            return None, None
+        if resume != "auto":
+            path = resolve(resume, "--checkpoint.resume").resolve()
+            if not self._continued_from(path):
+                self._refuse_mixing(after_step=read_trainer_state(path)["step"], flag=f"--checkpoint.resume {path}")
+                return str(path), str(path)
+            logger.info(f"{self.root} holds this run's checkpoints since {path}: resuming from the newest")
+        latest, skipped = find_latest(self.root)
+        for path, reason in skipped:
+            logger.warning(f"skipping {path}: it {reason}")
+        if latest is None:
+            logger.info(f"no complete checkpoint in {self.root}: starting fresh")
+            return None, None
+        return str(latest), read_trainer_state(latest).get("started_from")
+
+    def _continued_from(self, path: Path) -> bool:
+        """Whether every committed checkpoint newer than `path` in this run's folder was saved by a run resumed
+        from `path` (and there is one)."""
+        step = read_trainer_state(path)["step"]
+        newer = [p for s, p in committed_checkpoints(self.root) if s > step]
+        return bool(newer) and all(unusable_reason(p) is None
+                                   and read_trainer_state(p).get("started_from") == str(path) for p in newer)
 
     def _refuse_mixing(self, after_step: int, flag: str) -> None:
         # Unusable ones count too: a save of their step would find them in the way, and must not delete them.
         newer = [p.name for step, p in committed_checkpoints(self.root) if step > after_step]
         if newer:
             raise CheckpointError(f"{flag}: {self.root} already holds checkpoints {', '.join(newer)} that this run "
-                                  "would mix with its own (and resume auto would later pick); save to another "
+                                  "would mix with its own (and resume auto would later pick); to continue the run "
+                                  "that saved them, use --checkpoint.resume auto; else save to another "
                                   "--checkpoint.dir, or move them away")
 
     def _load(self, path: Path) -> Progress:
         state = read_trainer_state(path)
         self._check_seq_len(path, state)
+        self._check_data(path, state)
         metadata = read_metadata(path, ways_past(path))
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         check_shapes(path, metadata, tensor_shapes({"model": model_sd, "optim": optim_sd}), "model.",
@@ -681,6 +702,24 @@ class Checkpointer:
                 f"{state['consumed_samples']:,} consumed samples count windows of {saved} tokens, so other "
                 f"lengths would skip or repeat data. Resume with --train.seq_len {saved}, or start a new run "
                 f"from its weights: --checkpoint.init_from {path} --train.output_dir <new folder>")
+
+    def _check_data(self, path: Path, state: dict) -> None:
+        """A CheckpointError if the data changed (unless checkpoint.allow_data_change): the saved sample count is a
+        position in the saved data's sample order, and in another order it would skip or repeat samples."""
+        saved, here = state.get("data"), self.data
+        if saved is None or here is None or saved == here:  # older checkpoints lack it: nothing to compare
+            return
+        changes = "; ".join(f"{key} {saved.get(key)} then, {here.get(key)} now"
+                            for key in sorted(set(saved) | set(here)) if saved.get(key) != here.get(key))
+        if self.cfg.checkpoint.allow_data_change:
+            logger.warning(f"resuming {path} on other data ({changes}): sample {state['consumed_samples']:,} of "
+                           "the new data's order comes next")
+            return
+        raise CheckpointError(
+            f"checkpoint {path} was saved reading other data ({changes}): its {state['consumed_samples']:,} "
+            "consumed samples are a position in that data's sample order. Resume with the data.source, data.path "
+            "and data.seed it was saved with, or pass --checkpoint.allow_data_change to go on with the new data "
+            "from that position")
 
     def _log_resume(self, path: Path, state: dict, progress: Progress) -> None:
         logger.info(f"resuming from {path}: step {progress.step}, {progress.consumed_samples:,} samples and "
@@ -756,7 +795,7 @@ class Checkpointer:
             if progress.step != self._saved_step and (self.stopped or self.cfg.checkpoint.save_final):
                 self.save(progress)
             self._wait()
-            self._join_deleter()
+            self._join_deletions()
             dist.barrier(group=self.group)  # no rank exits before rank 0 has committed
         if self.stopped:
             logger.info(f"stopped at step {progress.step} on a stop signal; the checkpoint is complete: run the "
@@ -828,14 +867,14 @@ class Checkpointer:
                 "tokens_seen": progress.tokens_seen, "skipped_steps": progress.skipped_steps,
                 "world_size": self.info.world_size,
                 "mesh": dict(zip(("dp_replicate", "dp_shard"), mesh_shape(self.cfg.parallel, self.info.world_size))),
-                "global_batch": self._global_batch(), "seq_len": self.cfg.train.seq_len,
-                "scheduler": self.scheduler.state_dict(),
+                "global_batch": self._global_batch(), "seq_len": self.cfg.train.seq_len, "data": self.data,
+                "started_from": self._started_from, "scheduler": self.scheduler.state_dict(),
                 "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__}
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending.future.done():
-            with self._paused():  # the commit may wait for retention's previous deletions
+            with self._paused():
                 self._commit()
 
     def _wait(self) -> float:
@@ -868,10 +907,14 @@ class Checkpointer:
     def _retain(self) -> None:
         """Delete complete checkpoints beyond checkpoint.keep, and incomplete ones older than the newest complete
         one, in the background: removing a large model's files takes seconds that training need not wait for.
-        Called once a save is committed, when no other is in flight."""
-        self._join_deleter()  # what it is deleting would otherwise be listed below as incomplete
+        Called once a save is committed, when no other is in flight. Never waits for earlier deletions: only rank 0
+        gets here, and the other ranks' watchdogs would take a rank 0 that waits for slow storage for a hung one."""
+        self._deletions = [(thread, paths) for thread, paths in self._deletions if thread.is_alive()]
+        # Folders still being deleted have lost their markers: they would be listed below as incomplete.
+        deleting = set().union(*(paths for _, paths in self._deletions))
         # Unusable committed checkpoints are neither: they stay, counted against no limit, until their owner acts.
-        found = [(step, path, incomplete_reason(path) is not None) for step, path in list_checkpoints(self.root)]
+        found = [(step, path, incomplete_reason(path) is not None) for step, path in list_checkpoints(self.root)
+                 if path not in deleting]
         complete = [(step, path) for step, path, incomplete in found
                     if not incomplete and unusable_reason(path) is None]
         keep = self.cfg.checkpoint.keep
@@ -885,13 +928,14 @@ class Checkpointer:
         old += [(path, "incomplete, older than the newest complete checkpoint") for step, path, incomplete in found
                 if incomplete and step < complete[-1][0]]
         if old:
-            self._deleter = threading.Thread(target=_delete, args=(old,), name="checkpoint-retention")
-            self._deleter.start()
+            thread = threading.Thread(target=_delete, args=(old,), name="checkpoint-retention")
+            thread.start()
+            self._deletions.append((thread, {path for path, _ in old}))
 
-    def _join_deleter(self) -> None:
-        if self._deleter is not None:
-            self._deleter.join()
-            self._deleter = None
+    def _join_deletions(self) -> None:
+        for thread, _ in self._deletions:
+            thread.join()
+        self._deletions = []
 
 
 def _delete(paths: list[tuple[Path, str]]) -> None:

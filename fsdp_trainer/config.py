@@ -194,17 +194,23 @@ class CheckpointConfig:
     """Keep the newest k complete checkpoints; older ones are deleted after a newer one is complete."""
     async_mode: Literal["none", "async", "async_pinned"] = "async_pinned"
     """async_pinned: training waits only while the state is copied into host buffers allocated once after step 1
-    and reused (pinned on GPUs; holds 12 bytes/param per node of host memory for the whole run); async: the
+    and reused (pinned on GPUs; holds 12 bytes per parameter of each GPU's shard in host memory for the whole
+    run, reported per node by the planner); async: the
     same into fresh pageable memory at every save (slower: 61 s blocked vs 0.95 s for 8B on 2 H200s); none:
     training waits for the whole write."""
     write_threads: int = 4
     """Files each rank writes in parallel per save (DCP's writer threads). Parallel and network file systems
     reward more concurrent writers; a single local disk is limited by its own bandwidth either way."""
     resume: str = "auto"
-    """auto: continue from the newest complete checkpoint in dir, if any; none: start fresh; or a checkpoint path."""
+    """auto: continue from the newest complete checkpoint in dir, if any; none: start fresh; or a checkpoint path
+    (once this run has saved checkpoints of its own, the same command resumes the newest of those)."""
     init_from: Optional[str] = None
     """Start from these weights (a checkpoint path, or hf:<folder> for a Hugging Face Llama) with fresh
     optimizer and step count, for fine-tuning. Ignored when resuming."""
+    allow_data_change: bool = False
+    """Resume although the data differ from the checkpoint's (seed, token shards or source): training goes on
+    at the saved sample count in the new data's order. Off: such a resume is an error, as data changed by
+    mistake would skip or repeat samples."""
     save_final: bool = True
     """Save a checkpoint when training ends (benchmarks turn this off)."""
 

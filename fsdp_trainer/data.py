@@ -243,6 +243,13 @@ class TokenWindows(Dataset):
     def __getitem__(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.window(self.order(g))
 
+    def identity(self) -> dict:
+        """What sample g is, besides seq_len: the seed, and the shards' names, sizes and tokenizer (not their
+        contents, which would take minutes to hash; nor their folder, which may move)."""
+        shards = [(s.path.name, s.num_tokens, s.tokenizer) for s in self.stream.shards]
+        digest = hashlib.blake2b(json.dumps(shards).encode(), digest_size=8).hexdigest()
+        return {"seed": self.order.seed, "tokens": len(self.stream), "shards": len(shards), "shards_digest": digest}
+
     def __repr__(self) -> str:
         tokenizer = self.stream.shards[0].tokenizer
         return (f"{self.where}: {len(self.stream.shards)} shard(s), {len(self.stream):,} tokens ({tokenizer}), "
@@ -262,6 +269,10 @@ class SyntheticTokens(Dataset):
         generator = torch.Generator().manual_seed(_derive_seed("synthetic", self.seed, g))
         tokens = torch.randint(self.vocab_size, (self.seq_len + 1,), generator=generator)
         return tokens[:-1], tokens[1:]
+
+    def identity(self) -> dict:
+        """What sample g is, besides seq_len."""
+        return {"synthetic_vocab_size": self.vocab_size, "seed": self.seed}
 
     def __repr__(self) -> str:
         return f"data.source=synthetic: random tokens below {self.vocab_size}, samples of {self.seq_len}"
@@ -402,12 +413,12 @@ def _stop_running_workers() -> None:
         stop_workers(batches)
 
 
-def build_dataloader(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, grad_accum_steps: int, dp_rank: int,
-                     dp_size: int, vocab_size: int, start_sample: int = 0,
+def build_dataloader(dataset: Dataset, *, num_workers: int, micro_batch_size: int, grad_accum_steps: int,
+                     dp_rank: int, dp_size: int, start_sample: int = 0,
                      device_type: str = "cpu") -> StatefulDataLoader:
-    """An endless loader of this rank's (inputs, labels) micro-batches, int64 [micro_batch_size, seq_len] each,
-    starting at global sample index start_sample (the trainer's consumed-sample count when resuming)."""
-    dataset = build_dataset(cfg, seq_len, vocab_size)
+    """An endless loader of this rank's (inputs, labels) micro-batches of `dataset` (build_dataset's), int64
+    [micro_batch_size, seq_len] each, starting at global sample index start_sample (the trainer's consumed-sample
+    count when resuming), read by num_workers worker processes (0: in this process)."""
     sampler = StepSampler(micro_batch_size, grad_accum_steps, dp_rank, dp_size, start_sample)
     with warnings.catch_warnings():
         # torchdata 0.11 calls torch.set_vital, deprecated in newer torch; the warning says nothing about our run.
@@ -415,9 +426,9 @@ def build_dataloader(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, gr
         return _Loader(
             dataset,
             batch_sampler=sampler,
-            num_workers=cfg.num_workers,
+            num_workers=num_workers,
             pin_memory=device_type == "cuda",
-            persistent_workers=cfg.num_workers > 0,
+            persistent_workers=num_workers > 0,
             worker_init_fn=_ignore_stop_signals,
             # The trainer resumes from its own consumed-sample count and never reads the loader's snapshots;
             # taking one every step (the default) costs a round trip to every worker per batch.

@@ -31,7 +31,8 @@ from fsdp_trainer import distributed
 from fsdp_trainer.checkpoint import CheckpointError, Checkpointer, StopSignals
 from fsdp_trainer.config import (Config, ConfigError, check_output_dirs, grads_in_compute_pool, mesh_shape, parse_args,
                                  resolve_param_dtype, to_toml, validate)
-from fsdp_trainer.data import DataError, build_dataloader, check_source, samples_per_step, stop_workers
+from fsdp_trainer.data import (DataError, build_dataloader, build_dataset, check_source, samples_per_step,
+                               stop_workers)
 from fsdp_trainer.distributed import logger
 from fsdp_trainer.faults import NonFiniteError, NonFiniteGuard, Watchdog, describe_oom, enable_flight_recorder
 from fsdp_trainer.loss import compiled_cross_entropy, cross_entropy
@@ -135,7 +136,8 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
 
     t = cfg.train
     global_batch = samples_per_step(t.micro_batch_size, t.grad_accum_steps, info.world_size)
-    ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, signals)
+    dataset = build_dataset(cfg.data, t.seq_len, args.vocab_size)
+    ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, signals, data=dataset.identity())
     progress = ckpt.restore()
     follow_current_schedule(scheduler, cfg.optim, t.steps)
     # A skipped step is numbered, and counted toward max_skipped_steps, in the whole run, not since this resume.
@@ -145,10 +147,9 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
         logger.info(f"step {progress.step} of train.steps={t.steps} is done already: nothing to train "
                     "(raise --train.steps to continue)")
         return {"step": progress.step, "history": [], "model": model, "optimizer": optimizer}
-    loader = build_dataloader(cfg.data, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size,
+    loader = build_dataloader(dataset, num_workers=cfg.data.num_workers, micro_batch_size=t.micro_batch_size,
                               grad_accum_steps=t.grad_accum_steps, dp_rank=info.rank, dp_size=info.world_size,
-                              vocab_size=args.vocab_size, start_sample=progress.consumed_samples,
-                              device_type=device.type)
+                              start_sample=progress.consumed_samples, device_type=device.type)
     batches = iter(loader)
 
     if info.is_main:

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -518,11 +519,76 @@ def test_retention_deletes_incomplete_folders_older_than_the_newest_complete_one
         capfd.readouterr().err
 
 
+def test_training_never_waits_for_retention_to_finish_deleting(tmp_path, monkeypatch):
+    """Deleting old checkpoints on slow storage may outlast a step, and a rank 0 that waited for it at the next
+    commit would look hung to the other ranks' watchdogs. Here the first deletion cannot finish before step 4 has
+    begun, so a commit that waited for it would never get there; the run still ends with checkpoint.keep."""
+    reached_step_4, waited_out = threading.Event(), []
+    delete, after_step = ck._delete, ck.Checkpointer.after_step
+
+    def slow_delete(paths):
+        if not reached_step_4.wait(timeout=20):
+            waited_out.append(paths)
+        delete(paths)
+
+    def watched_after_step(self, progress):
+        if progress.step >= 4:
+            reached_step_4.set()
+        return after_step(self, progress)
+
+    monkeypatch.setattr(ck, "_delete", slow_delete)
+    monkeypatch.setattr(ck.Checkpointer, "after_step", watched_after_step)
+    train_in_process("--train.steps", "5", "--checkpoint.interval", "1", "--checkpoint.keep", "1",
+                     "--checkpoint.async_mode", "none", "--train.output_dir", str(tmp_path))
+    assert not waited_out, "a commit waited for retention's deletion"
+    assert [step for step, _ in ck.list_checkpoints(tmp_path / "checkpoints")] == [5]
+
+
 def test_resume_refuses_to_mix_runs_in_one_folder(small, capsys):
     for resume in ("none", str(small / "checkpoints/step_00000002")):
         with pytest.raises(SystemExit):
             main([*TINY, "--train.output_dir", str(small), "--checkpoint.resume", resume])
         assert "step_00000004 that this run would mix with its own" in capsys.readouterr().err
+
+
+def test_rerunning_an_explicit_resume_continues_its_own_checkpoints(small, tmp_path, capfd):
+    """A run begun with --checkpoint.resume <checkpoint> into a new folder, then run again as launched (a requeue
+    after preemption): it resumes its own newest checkpoint, not the one named; a checkpoint of another run in its
+    folder still stops it."""
+    start, out = small / "checkpoints/step_00000002", tmp_path / "run"
+    flags = [*TINY, "--train.output_dir", str(out), "--checkpoint.resume", str(start), "--checkpoint.interval", "2",
+             "--checkpoint.async_mode", "none"]
+    main([*flags, "--train.steps", "4"])
+    main([*flags, "--train.steps", "6"])
+    root = out / "checkpoints"
+    assert f"resuming from {ck.step_dir(root, 4)}: step 4" in capfd.readouterr().err
+    assert sorted(rows(out)) == [3, 4, 5, 6]  # no step trained twice
+    assert ck.read_trainer_state(ck.step_dir(root, 6))["started_from"] == str(start.resolve())
+
+    shutil.copytree(small / "checkpoints/step_00000004", ck.step_dir(root, 8))  # saved by another run
+    with pytest.raises(SystemExit) as exit_info:
+        main([*flags, "--train.steps", "10"])
+    assert exit_info.value.code == 2
+    assert "step_00000008 that this run would mix with its own" in capfd.readouterr().err
+
+
+def test_resume_refuses_other_data_unless_allowed(small, tmp_path, capfd):
+    """The saved sample count is a position in the saved data's order: resuming on other data is an error that
+    names the change and deletes nothing, unless checkpoint.allow_data_change says it is meant."""
+    out = tmp_path / "run"
+    shutil.copytree(small / "checkpoints", out / "checkpoints")
+    before = tree(out / "checkpoints")
+    flags = [*TINY, "--train.output_dir", str(out), "--train.steps", "6", "--checkpoint.async_mode", "none",
+             "--data.seed", "1"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(flags)
+    assert exit_info.value.code == 2
+    err = capfd.readouterr().err
+    assert "was saved reading other data (seed 0 then, 1 now)" in err and "--checkpoint.allow_data_change" in err
+    assert tree(out / "checkpoints") == before
+    main([*flags, "--checkpoint.allow_data_change"])
+    assert "on other data (seed 0 then, 1 now)" in capfd.readouterr().err
+    assert ck.read_trainer_state(ck.step_dir(out / "checkpoints", 6))["data"]["seed"] == 1
 
 
 def test_an_unusable_marker_is_an_error_and_never_deleted(small, tmp_path, capfd):

@@ -45,8 +45,9 @@ def tokens_cfg(path, **kwargs) -> DataConfig:
 
 def run_steps(cfg, *, b, accum, dp, steps, start_sample=0, seq_len=SEQ_LEN):
     """Per step, the window ids of all ranks together in global-index order (micro-batch, then rank, then j)."""
-    loaders = [iter(build_dataloader(cfg, seq_len=seq_len, micro_batch_size=b, grad_accum_steps=accum, dp_rank=r,
-                                     dp_size=dp, vocab_size=VOCAB, start_sample=start_sample)) for r in range(dp)]
+    dataset = build_dataset(cfg, seq_len, VOCAB)
+    loaders = [iter(build_dataloader(dataset, num_workers=cfg.num_workers, micro_batch_size=b, grad_accum_steps=accum,
+                                     dp_rank=r, dp_size=dp, start_sample=start_sample)) for r in range(dp)]
     result = []
     for _ in range(steps):
         ids = []
@@ -145,6 +146,20 @@ def test_order_is_a_pure_function_of_seed_and_index(shards):
         assert a[g][0][0] // SEQ_LEN == forward[g]
 
 
+def test_identity_names_what_the_order_depends_on(shards, tmp_path):
+    """A checkpoint keeps the dataset's identity, and resume compares it: the same shards moved elsewhere are the same
+    data; another seed, or shards split or sized otherwise, are not."""
+    identity = build_dataset(tokens_cfg(shards), SEQ_LEN, VOCAB).identity()
+    moved = shards.rename(tmp_path / "moved")
+    assert build_dataset(tokens_cfg(moved), SEQ_LEN, VOCAB).identity() == identity
+    assert build_dataset(tokens_cfg(moved, seed=1), SEQ_LEN, VOCAB).identity() != identity
+    write_arange_shards(tmp_path / "resplit", NUM_SAMPLES * SEQ_LEN + 1, sizes=(150, 100))
+    assert build_dataset(tokens_cfg(tmp_path / "resplit"), SEQ_LEN, VOCAB).identity() != identity
+    write_arange_shards(tmp_path / "longer", NUM_SAMPLES * SEQ_LEN + 2)
+    assert build_dataset(tokens_cfg(tmp_path / "longer"), SEQ_LEN, VOCAB).identity() != identity
+    assert SyntheticTokens(SEQ_LEN, 50, seed=1).identity() != SyntheticTokens(SEQ_LEN, 50, seed=2).identity()
+
+
 def test_synthetic_is_a_pure_function_of_seed_and_index():
     a, b = SyntheticTokens(SEQ_LEN, 50, seed=1), SyntheticTokens(SEQ_LEN, 50, seed=1)
     first = [a[g][0] for g in (0, 1, 2**40)]
@@ -214,8 +229,8 @@ def test_loader_with_a_worker_matches_in_process_loading(shards):
 
 def test_synthetic_loader(tmp_path):
     cfg = DataConfig(source="synthetic", num_workers=0)
-    inputs, labels = next(iter(build_dataloader(cfg, seq_len=16, micro_batch_size=4, grad_accum_steps=1, dp_rank=0,
-                                                dp_size=1, vocab_size=32)))
+    inputs, labels = next(iter(build_dataloader(build_dataset(cfg, 16, 32), num_workers=0, micro_batch_size=4,
+                                                grad_accum_steps=1, dp_rank=0, dp_size=1)))
     assert inputs.shape == (4, 16) and inputs.max() < 32 and torch.equal(inputs[:, 1:], labels[:, :-1])
 
 
@@ -274,16 +289,17 @@ def real_stdlib_cache(tmp_path_factory) -> str:
 def test_real_stdlib_source(real_stdlib_cache):
     cfg = DataConfig(source="stdlib", cache_dir=real_stdlib_cache, num_workers=0)
     assert "tokens (bytes)" in check_source(cfg, 256, 257)
-    inputs, _ = next(iter(build_dataloader(cfg, seq_len=256, micro_batch_size=2, grad_accum_steps=1, dp_rank=0,
-                                           dp_size=1, vocab_size=257)))
+    inputs, _ = next(iter(build_dataloader(build_dataset(cfg, 256, 257), num_workers=0, micro_batch_size=2,
+                                           grad_accum_steps=1, dp_rank=0, dp_size=1)))
     assert inputs.max() <= BYTE_EOS
 
 
 def rank_main(rank: int, shards: str, lib: str, cache: str):
     """One data-parallel rank in its own process: races for the stdlib cache, then loads its share of 3 steps."""
     stdlib_shards(cache, root=lib)
-    it = iter(build_dataloader(tokens_cfg(shards), seq_len=SEQ_LEN, micro_batch_size=2, grad_accum_steps=1,
-                               dp_rank=rank, dp_size=2, vocab_size=VOCAB))
+    cfg = tokens_cfg(shards)
+    it = iter(build_dataloader(build_dataset(cfg, SEQ_LEN, VOCAB), num_workers=cfg.num_workers, micro_batch_size=2,
+                               grad_accum_steps=1, dp_rank=rank, dp_size=2))
     return [(next(it)[0][:, 0] // SEQ_LEN).tolist() for _ in range(3)]
 
 
@@ -378,8 +394,8 @@ def test_token_ids_past_the_vocabulary_are_refused_when_read(tmp_path, num_worke
     write_bad_token_shards(tmp_path / "bad")
     cfg = tokens_cfg(tmp_path / "bad", num_workers=num_workers)
     check_source(cfg, SEQ_LEN, 257)  # a scan of the contents at start-up would take too long on real data
-    loader = build_dataloader(cfg, seq_len=SEQ_LEN, micro_batch_size=1, grad_accum_steps=1, dp_rank=0, dp_size=1,
-                              vocab_size=257)
+    loader = build_dataloader(build_dataset(cfg, SEQ_LEN, 257), num_workers=num_workers, micro_batch_size=1,
+                              grad_accum_steps=1, dp_rank=0, dp_size=1)
     batches = iter(loader)
     try:
         with pytest.raises(DataError) as info:
@@ -396,10 +412,11 @@ def test_token_ids_past_the_vocabulary_are_refused_when_read(tmp_path, num_worke
 def test_a_loader_left_running_does_not_hang_the_exit(shards):
     """Workers ignore SIGTERM, with which Python's exit stops leftover children before waiting for them: a process
     that ends while it still references a running loader (as a traceback does) must stop its workers first."""
-    script = ("from fsdp_trainer.config import DataConfig\nfrom fsdp_trainer.data import build_dataloader\n"
-              f"cfg = DataConfig(source='tokens', path={str(shards)!r}, num_workers=2)\n"
-              f"batches = iter(build_dataloader(cfg, seq_len={SEQ_LEN}, micro_batch_size=1, grad_accum_steps=1, "
-              f"dp_rank=0, dp_size=1, vocab_size={VOCAB}))\n"
+    script = ("from fsdp_trainer.config import DataConfig\n"
+              "from fsdp_trainer.data import build_dataloader, build_dataset\n"
+              f"dataset = build_dataset(DataConfig(source='tokens', path={str(shards)!r}), {SEQ_LEN}, {VOCAB})\n"
+              "batches = iter(build_dataloader(dataset, num_workers=2, micro_batch_size=1, grad_accum_steps=1, "
+              "dp_rank=0, dp_size=1))\n"
               "next(batches)\nprint('read a batch')\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout == "read a batch\n", out.stderr

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdp_trainer import distributed, train
-from fsdp_trainer.data import build_dataloader
+from fsdp_trainer.data import build_dataloader, build_dataset
 from fsdp_trainer.models.llama import build, model_args_from_config
 from fsdp_trainer.config import parse_args
 from fsdp_trainer.optim import build_optimizer, build_scheduler, lr_at
@@ -57,9 +57,9 @@ def reference_run(cfg, world_size: int):
         progress = min(1.0, (step - o.warmup_steps) / max(1, t.steps - o.warmup_steps))
         return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
 
-    batches = iter(build_dataloader(cfg.data, seq_len=t.seq_len, micro_batch_size=t.micro_batch_size * world_size,
-                                    grad_accum_steps=t.grad_accum_steps, dp_rank=0, dp_size=1,
-                                    vocab_size=args.vocab_size))
+    batches = iter(build_dataloader(build_dataset(cfg.data, t.seq_len, args.vocab_size),
+                                    num_workers=cfg.data.num_workers, micro_batch_size=t.micro_batch_size * world_size,
+                                    grad_accum_steps=t.grad_accum_steps, dp_rank=0, dp_size=1))
     history = []
     for step in range(t.steps):
         for group in optimizer.param_groups:
