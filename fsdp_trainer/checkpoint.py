@@ -67,7 +67,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_trainer.config import Config, ConfigError, checkpoint_root, mesh_shape, to_toml
-from fsdp_trainer.data import samples_per_step
+from fsdp_trainer.data import samples_per_step, write_atomic
 from fsdp_trainer.distributed import DistInfo, logger
 from fsdp_trainer.faults import Watchdog
 from fsdp_trainer.models.llama import model_args_from_config
@@ -236,21 +236,6 @@ def resolve(path: str | Path, flag: str) -> Path:
     return latest
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    # The rename itself must reach the disk before anyone may rely on the checkpoint being complete.
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _ranks(n: int) -> str:
     return f"{n} rank" if n == 1 else f"{n} ranks"
 
@@ -283,12 +268,33 @@ def dcp_cause(err: BaseException) -> str:
 
 def load_dcp(state: dict, path: Path, group: Optional[dist.ProcessGroup], fix: str) -> None:
     """Fill `state` in place from the checkpoint at `path`, resharded by DCP; a CheckpointError naming the folder,
-    the first failing rank's error and `fix` if a file cannot be read."""
+    the first failing rank's error, the files shorter than the index says, and `fix` if a file cannot be read."""
     try:
         dcp.load(state, checkpoint_id=str(path), process_group=group)
     except DCP_ERRORS as err:  # DCP gathers every rank's read errors and raises them on all ranks
-        raise CheckpointError(f"checkpoint {path} could not be read ({dcp_cause(err)}): a file is corrupt or "
-                              f"truncated; {fix}") from err
+        short = _short_files(path)
+        found = "; ".join(short) if short else "a file is corrupt or truncated"
+        raise CheckpointError(f"checkpoint {path} could not be read ({dcp_cause(err)}): {found}; {fix}") from err
+
+
+def _short_files(path: Path) -> list[str]:
+    """The data files of `path` that are missing or end before the last byte its .metadata places in them. DCP's
+    own error for a truncated file (an EOFError, say) names no file."""
+    try:
+        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception:  # an unreadable index fails earlier, in read_metadata, with its own message
+        return []
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    short = []
+    for name, size in sorted(needed.items()):
+        file = Path(path) / name
+        if not file.is_file():
+            short.append(f"{name} is missing")
+        elif file.stat().st_size < size:
+            short.append(f"{name} holds {file.stat().st_size:,} bytes where the index needs {size:,} (truncated)")
+    return short
 
 
 def tensor_shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
@@ -898,7 +904,8 @@ class Checkpointer:
         if not self.info.is_main:
             return
         _test_crash("before_marker", save.step)
-        _write_atomic(save.path / MARKER, json.dumps(save.trainer_state, indent=1) + "\n")
+        marker = json.dumps(save.trainer_state, indent=1) + "\n"
+        write_atomic(save.path / MARKER, lambda f: f.write(marker.encode()))
         size, seconds = _size_bytes(save.path), (save.finished or time.perf_counter()) - save.started
         logger.info(f"checkpoint {save.path} complete: {size / 1e9:.3f} GB in {seconds:.2f} s "
                     f"({size / 1e9 / max(seconds, 1e-9):.2f} GB/s; training blocked {save.blocked:.2f} s)")

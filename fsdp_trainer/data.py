@@ -64,27 +64,36 @@ class DataError(ConfigError):
 
 # ---------------------------------------------------------------------------------------------- shards on disk
 
-def _write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
+def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write through a uniquely named temporary file in the same folder, then rename it into place: readers and
-    concurrent writers only ever see complete files. The temp name starts with '.', so no '*.bin' glob sees it."""
+    concurrent writers only ever see complete files, and once this returns the file and its name are on disk, so
+    a file written after it (a shard's sidecar, a checkpoint's marker) never outlives it in a crash. The temporary
+    name starts with '.', so no '*.bin' glob sees it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o644)  # mkstemp makes files private; shards and caches may be shared between users
+        os.fchmod(fd, 0o644)  # mkstemp makes files private; shards, caches and checkpoints may be shared
         with os.fdopen(fd, "wb") as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself
+    finally:
+        os.close(folder)
 
 
 def write_shard(bin_path: Path, tokens: np.ndarray, vocab_size: int, tokenizer: str) -> None:
     """Write one shard and its sidecar. The sidecar is written last, so its presence marks a complete shard."""
     dtype = np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
     data = np.ascontiguousarray(tokens, dtype=dtype)
-    _write_atomic(bin_path, data.tofile)
+    write_atomic(bin_path, data.tofile)
     meta = {"dtype": dtype.name, "num_tokens": len(data), "vocab_size": vocab_size, "tokenizer": tokenizer}
-    _write_atomic(bin_path.with_suffix(".json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    write_atomic(bin_path.with_suffix(".json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
 
 
 @dataclass(frozen=True)
