@@ -310,7 +310,6 @@ class Doctor:
         # A small message (NCCL's LL protocol) and a large one (Simple); CPU keeps the large one modest.
         self.check_counts = (1031, 1 << 22 if cuda else 1 << 16)
         self.report["check_elements"] = list(self.check_counts)
-        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
 
         self._environment()
         for name, check in (("all_reduce", self._all_reduce), ("all_gather", self._all_gather),

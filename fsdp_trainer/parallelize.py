@@ -113,7 +113,7 @@ class ComputePoolReduceScatter(ReduceScatter):
     be safe everywhere, but it defers each freed block until the GPU has passed the reduce-scatter stream's work,
     and the CPU runs a step ahead: measured on 4 H200s, it reserved no less.
 
-    One instance per FSDP module: `params` are the parameters whose gradients its reduce-scatter makes."""
+    One instance per fully_shard call: `params` are the parameters whose gradients its reduce-scatter makes."""
 
     def __init__(self, compute_stream: torch.cuda.Stream, params: Sequence[nn.Parameter]):
         self.compute_stream, self.params = compute_stream, params
@@ -181,9 +181,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
         shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard(group[0] is last))
     shard(model)
     if grads_in_compute_pool and mesh.device_type == "cuda":  # one memory pool per device elsewhere
-        compute_stream = torch.cuda.current_stream()
-        for module, params in _params_by_fsdp_module(model).items():
-            module.set_custom_reduce_scatter(ComputePoolReduceScatter(compute_stream, params))
+        _pool_gradients(model, torch.cuda.current_stream())
     if prefetch > 1:
         for index, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[index + 1:index + 1 + prefetch])
@@ -215,16 +213,23 @@ def _check_ties(model: nn.Module, blocks: list[nn.Module], groups: list[list[nn.
     visit(model, "", "the root (what no block or group holds)")
 
 
-def _params_by_fsdp_module(model: nn.Module) -> dict[FSDPModule, list[nn.Parameter]]:
-    """Each FSDP module's own parameters: those of its subtree that no FSDP module inside it manages."""
-    owned: dict[FSDPModule, list[nn.Parameter]] = {}
+def _pool_gradients(model: nn.Module, compute_stream: torch.cuda.Stream) -> None:
+    """Install a ComputePoolReduceScatter for each fully_shard call, over all the parameters that call manages.
+
+    The modules sharded in one call (Llama's final norm and output projection; a tied embedding and head) share
+    one FSDP state, and so one reduce-scatter, which set_custom_reduce_scatter on any of them replaces: one
+    installed per module would leave the last one's, whose guard is blind to the other modules' gradients."""
+    # FSDP state (FSDPModule has no public name for the one its modules share) -> (one of its modules, its params)
+    owned: dict[object, tuple[FSDPModule, list[nn.Parameter]]] = {}
     claimed: set[int] = set()
     # Innermost first: model.modules() lists a module before its children, so reversed lists children first.
     for module in reversed(list(model.modules())):
         if isinstance(module, FSDPModule):
-            owned[module] = [p for p in module.parameters() if id(p) not in claimed]
-            claimed.update(id(p) for p in owned[module])
-    return owned
+            _, params = owned.setdefault(module._get_fsdp_state(), (module, []))
+            params += [p for p in module.parameters() if id(p) not in claimed]
+            claimed.update(id(p) for p in params)
+    for module, params in owned.values():
+        module.set_custom_reduce_scatter(ComputePoolReduceScatter(compute_stream, params))
 
 
 @torch.no_grad()

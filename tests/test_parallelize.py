@@ -428,6 +428,42 @@ def test_apply_fsdp_refuses_tied_weights_split_across_units_before_sharding(monk
                    groups=[[getattr(model, name) for name in group] for group in groups])
 
 
+def second_backward_training_one_module(cases):
+    """For each (model, module) case: the model sharded in its groups with only that module trainable, so that the
+    modules sharded with it hold no gradient. After one backward the compute-pool reduce-scatter is installed
+    (before it, its first allocation would reach for CUDA, as it does wherever its guard lets a backward through),
+    and a second backward without zero_grad, which would add into that module's gradients, must be refused."""
+    from fsdp_trainer import distributed
+    from fsdp_trainer.parallelize import _pool_gradients, init_weights
+    distributed.init()
+    mesh = distributed.build_mesh("cpu", 1, 2)
+    for case, trained in cases:
+        if case == "llama":  # as training shards it, untied
+            model = build(ARGS, device="meta")
+            blocks, groups = (TransformerBlock,), [[model.tok_embeddings], [model.norm, model.output]]
+        else:  # the head tied to the embedding, both in one group with the final norm
+            with torch.device("meta"):
+                model = TiedLM()
+            blocks, groups = (AttentionBlock,), [[model.embed, model.norm, model.head]]
+        apply_fsdp(model, mesh, block_types=blocks, groups=groups, param_dtype=torch.float32)
+        init_weights(model, torch.device("cpu"))
+        trainable = {id(param) for param in getattr(model, trained).parameters()}
+        for param in model.parameters():
+            param.requires_grad_(id(param) in trainable)
+        tokens = torch.zeros(2, 8, dtype=torch.long)
+        model(tokens).sum().backward()
+        _pool_gradients(model, None)
+        with pytest.raises(RuntimeError, match="would add into gradients that already exist"):
+            model(tokens).sum().backward()
+
+
+def test_the_compute_pool_guard_covers_every_module_sharded_together():
+    """The final norm and the output projection (and a tied embedding) are sharded in one fully_shard call, which
+    has one reduce-scatter: its guard must see the gradients of each of them, whichever alone trains."""
+    run_ranks(second_backward_training_one_module, 2,
+              [("llama", "output"), ("llama", "norm"), ("tied", "head"), ("tied", "norm")])
+
+
 def test_init_weights_refuses_a_parameter_no_module_around_it_resets():
     from fsdp_trainer.parallelize import init_weights
 
