@@ -25,7 +25,7 @@ Layout of <checkpoint.dir>/step_00000200/:
     trainer_state.json   written last, by rank 0, once DCP finished: its presence marks the checkpoint committed.
                          Holds step, consumed_samples, tokens_seen, skipped_steps (non-finite), LR-scheduler and
                          grad-scaler state, world size, seq_len, the data's identity, and started_from (the
-                         checkpoint this run was first resumed from, if one was named).
+                         --checkpoint.resume path the run was launched with, if one was named).
 A folder without trainer_state.json is an interrupted save: resume skips it, and retention or the next save of its
 step deletes it. A committed checkpoint whose trainer_state.json cannot be used (unreadable, another format) is an
 error at resume and is never deleted: only its owner can tell whether it was damaged or written by another version.
@@ -620,20 +620,21 @@ class Checkpointer:
         return value
 
     def _choose_resume(self) -> tuple[Optional[str], Optional[str]]:
-        """The checkpoint to resume from (None: start fresh), and the one that this run's line of checkpoints
-        started from, which its saves record: the checkpoint named to --checkpoint.resume, kept by every resume
-        since. So the same command, run again after a preemption, a crash or a requeue, resumes its own newest
-        checkpoint instead of refusing to mix with it."""
+        """The checkpoint to resume from (None: start fresh), and what this run's saves record as started_from: the
+        --checkpoint.resume path it was launched with (absolute), kept by every resume since. So the same command,
+        run again after a preemption, a crash or a requeue, resumes its own newest checkpoint instead of refusing
+        to mix with it, even once retention deleted the checkpoint it names."""
         resume = self.cfg.checkpoint.resume
         if resume == "none":
             self._refuse_mixing(after_step=-1, flag="--checkpoint.resume none")
             return None, None
         if resume != "auto":
-            path = resolve(resume, "--checkpoint.resume").resolve()
-            if not self._continued_from(path):
+            named = str(Path(resume).expanduser().resolve())
+            if not self._saved_by_run_from(named):
+                path = resolve(resume, "--checkpoint.resume")
                 self._refuse_mixing(after_step=read_trainer_state(path)["step"], flag=f"--checkpoint.resume {path}")
-                return str(path), str(path)
-            logger.info(f"{self.root} holds this run's checkpoints since {path}: resuming from the newest")
+                return str(path), named
+            logger.info(f"{self.root} holds the checkpoints of this run, begun from {named}: resuming the newest")
         latest, skipped = find_latest(self.root)
         for path, reason in skipped:
             logger.warning(f"skipping {path}: it {reason}")
@@ -642,13 +643,13 @@ class Checkpointer:
             return None, None
         return str(latest), read_trainer_state(latest).get("started_from")
 
-    def _continued_from(self, path: Path) -> bool:
-        """Whether every committed checkpoint newer than `path` in this run's folder was saved by a run resumed
-        from `path` (and there is one)."""
-        step = read_trainer_state(path)["step"]
-        newer = [p for s, p in committed_checkpoints(self.root) if s > step]
-        return bool(newer) and all(unusable_reason(p) is None
-                                   and read_trainer_state(p).get("started_from") == str(path) for p in newer)
+    def _saved_by_run_from(self, named: str) -> bool:
+        """Whether the newest committed checkpoint in this run's folder was saved by a run launched with
+        --checkpoint.resume `named`: then any other run's checkpoints there are older, and resume auto is safe."""
+        committed = committed_checkpoints(self.root)
+        if not committed or unusable_reason(committed[-1][1]) is not None:
+            return False
+        return read_trainer_state(committed[-1][1]).get("started_from") == named
 
     def _refuse_mixing(self, after_step: int, flag: str) -> None:
         # Unusable ones count too: a save of their step would find them in the way, and must not delete them.

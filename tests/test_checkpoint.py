@@ -553,23 +553,29 @@ def test_resume_refuses_to_mix_runs_in_one_folder(small, capsys):
 
 def test_rerunning_an_explicit_resume_continues_its_own_checkpoints(small, tmp_path, capfd):
     """A run begun with --checkpoint.resume <checkpoint> into a new folder, then run again as launched (a requeue
-    after preemption): it resumes its own newest checkpoint, not the one named; a checkpoint of another run in its
-    folder still stops it."""
-    start, out = small / "checkpoints/step_00000002", tmp_path / "run"
+    after preemption): it resumes its own newest checkpoint, not the one named, also once the one named is gone; a
+    newer checkpoint of another run in its folder still stops it."""
+    start, out = tmp_path / "from" / "step_00000002", tmp_path / "run"
+    shutil.copytree(small / "checkpoints/step_00000002", start)
     flags = [*TINY, "--train.output_dir", str(out), "--checkpoint.resume", str(start), "--checkpoint.interval", "2",
              "--checkpoint.async_mode", "none"]
     main([*flags, "--train.steps", "4"])
     main([*flags, "--train.steps", "6"])
     root = out / "checkpoints"
     assert f"resuming from {ck.step_dir(root, 4)}: step 4" in capfd.readouterr().err
-    assert sorted(rows(out)) == [3, 4, 5, 6]  # no step trained twice
     assert ck.read_trainer_state(ck.step_dir(root, 6))["started_from"] == str(start.resolve())
 
     shutil.copytree(small / "checkpoints/step_00000004", ck.step_dir(root, 8))  # saved by another run
     with pytest.raises(SystemExit) as exit_info:
-        main([*flags, "--train.steps", "10"])
+        main([*flags, "--train.steps", "8"])
     assert exit_info.value.code == 2
     assert "step_00000008 that this run would mix with its own" in capfd.readouterr().err
+
+    shutil.rmtree(ck.step_dir(root, 8))
+    shutil.rmtree(start)  # as retention does when the run saves into the folder it began from
+    main([*flags, "--train.steps", "8"])
+    assert f"resuming from {ck.step_dir(root, 6)}: step 6" in capfd.readouterr().err
+    assert sorted(rows(out)) == [3, 4, 5, 6, 7, 8]  # no step trained twice
 
 
 def test_resume_refuses_other_data_unless_allowed(small, tmp_path, capfd):
