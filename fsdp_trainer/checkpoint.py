@@ -25,7 +25,8 @@ Layout of <checkpoint.dir>/step_00000200/:
     trainer_state.json   written last, by rank 0, once DCP finished: its presence marks the checkpoint committed.
                          Holds step, consumed_samples, tokens_seen, skipped_steps (non-finite), LR-scheduler and
                          grad-scaler state, world size, seq_len, the data's identity, and started_from (the
-                         --checkpoint.resume path the run was launched with, if one was named).
+                         --checkpoint.resume path that began this run, kept by every resume since, if one was
+                         named).
 A folder without trainer_state.json is an interrupted save: resume skips it, and retention or the next save of its
 step deletes it. A committed checkpoint whose trainer_state.json cannot be used (unreadable, another format) is an
 error at resume and is never deleted: only its owner can tell whether it was damaged or written by another version.
@@ -53,7 +54,7 @@ import tomllib
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -534,10 +535,18 @@ def _test_crash(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _data_changes(a: dict, b: dict, a_when: str, b_when: str) -> str:
+    """How two data identities (data.py's identity()) differ, for an error message."""
+    if a.get("kind") != b.get("kind"):
+        return f"{a.get('kind')} {a_when}, {b.get('kind')} {b_when}"
+    return "; ".join(f"{key} {a.get(key)} {a_when}, {b.get(key)} {b_when}"
+                     for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key))
+
+
 class Checkpointer:
     """Save, resume and preemption for one run. Every rank makes the same calls in the same order:
 
-        ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, signals)
+        ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, signals, data=dataset.identity())
         progress = ckpt.restore()              # resume, or init_from weights, or fresh
         with ckpt.training(watchdog, before_save=guard.check):
             while progress.step < steps:
@@ -547,8 +556,8 @@ class Checkpointer:
             ckpt.finish(progress)              # the final save, waited for
 
     `signals` are the process's StopSignals, installed by the caller (train.main does so first thing); without
-    them, no signal stops the run. `data` is the dataset's identity() (data.py): checkpoints keep it, and resume
-    refuses other data unless checkpoint.allow_data_change.
+    them, no signal stops the run. `data` is the dataset's identity() (data.py): every rank must have rank 0's,
+    checkpoints keep it, and resume refuses other data unless checkpoint.allow_data_change.
     """
 
     def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -584,6 +593,7 @@ class Checkpointer:
         checkpoint at or past train.steps is only checked, not loaded: there is nothing left to train.
         Exits 0 on every rank if a stop signal reached any of them during start-up: nothing new is trained, so
         nothing needs saving, and the time a preemption grants is better spent exiting than compiling."""
+        self._check_ranks_read_the_same_data()
         path, self._started_from = self._agree(self._choose_resume)
         c = self.cfg.checkpoint
         if path is not None:
@@ -604,7 +614,21 @@ class Checkpointer:
             raise SystemExit(0)
         return progress
 
-    def _agree(self, decide: Callable[[], Optional[str]]) -> Optional[str]:
+    def _check_ranks_read_the_same_data(self) -> None:
+        """A CheckpointError on every rank unless every rank's data has rank 0's identity: ranks reading other
+        shards or another seed (a node-local copy of data.path, the stdlib corpus of another Python) would not
+        follow one sample order, and a resume could not tell which order the saved sample count is a position in."""
+        identities: list[Optional[dict]] = [None] * self.info.world_size
+        dist.all_gather_object(identities, self.data, group=self.group)
+        odd = [rank for rank, identity in enumerate(identities) if identity != identities[0]]
+        if odd:
+            changes = _data_changes(identities[0], identities[odd[0]], "on rank 0", f"on rank {odd[0]}")
+            others = f"; other data also on rank(s) {', '.join(map(str, odd[1:]))}" if len(odd) > 1 else ""
+            raise CheckpointError(f"rank {odd[0]} reads other data than rank 0 ({changes}{others}): give every node "
+                                  "the same data.path contents (for data.source=stdlib, the same Python) and the "
+                                  "same data.seed")
+
+    def _agree(self, decide: Callable[[], Any]) -> Any:
         """Run decide() on rank 0 and hand its answer, or its error, to every rank: file listings on a shared
         file system need not look the same from every node, and no rank may go on while another stops."""
         box = [None]
@@ -621,7 +645,7 @@ class Checkpointer:
 
     def _choose_resume(self) -> tuple[Optional[str], Optional[str]]:
         """The checkpoint to resume from (None: start fresh), and what this run's saves record as started_from: the
-        --checkpoint.resume path it was launched with (absolute), kept by every resume since. So the same command,
+        --checkpoint.resume path it was launched with (absolute), kept by every resume since, auto ones included. So the same command,
         run again after a preemption, a crash or a requeue, resumes its own newest checkpoint instead of refusing
         to mix with it, even once retention deleted the checkpoint it names."""
         resume = self.cfg.checkpoint.resume
@@ -629,12 +653,11 @@ class Checkpointer:
             self._refuse_mixing(after_step=-1, flag="--checkpoint.resume none")
             return None, None
         if resume != "auto":
-            named = str(Path(resume).expanduser().resolve())
+            named = os.path.abspath(os.path.expanduser(resume))  # symbolic links kept: the path as named
             if not self._saved_by_run_from(named):
                 path = resolve(resume, "--checkpoint.resume")
                 self._refuse_mixing(after_step=read_trainer_state(path)["step"], flag=f"--checkpoint.resume {path}")
                 return str(path), named
-            logger.info(f"{self.root} holds the checkpoints of this run, begun from {named}: resuming the newest")
         latest, skipped = find_latest(self.root)
         for path, reason in skipped:
             logger.warning(f"skipping {path}: it {reason}")
@@ -645,11 +668,18 @@ class Checkpointer:
 
     def _saved_by_run_from(self, named: str) -> bool:
         """Whether the newest committed checkpoint in this run's folder was saved by a run launched with
-        --checkpoint.resume `named`: then any other run's checkpoints there are older, and resume auto is safe."""
+        --checkpoint.resume `named`: then any other run's checkpoints there are older, and resume auto is safe.
+        A CheckpointError if that checkpoint is unusable: whoever saved it, it is in the way of every resume."""
         committed = committed_checkpoints(self.root)
-        if not committed or unusable_reason(committed[-1][1]) is not None:
+        if not committed:
             return False
-        return read_trainer_state(committed[-1][1]).get("started_from") == named
+        newest = committed[-1][1]
+        check_usable(newest)
+        if read_trainer_state(newest).get("started_from") != named:
+            return False
+        logger.warning(f"resuming the newest checkpoint of this run, {newest}, not {named}: this run began from "
+                       f"{named} and saved since (to begin again from {named}, save to another --checkpoint.dir)")
+        return True
 
     def _refuse_mixing(self, after_step: int, flag: str) -> None:
         # Unusable ones count too: a save of their step would find them in the way, and must not delete them.
@@ -716,8 +746,7 @@ class Checkpointer:
         saved, here = state.get("data"), self.data
         if saved is None or here is None or saved == here:  # older checkpoints lack it: nothing to compare
             return
-        changes = "; ".join(f"{key} {saved.get(key)} then, {here.get(key)} now"
-                            for key in sorted(set(saved) | set(here)) if saved.get(key) != here.get(key))
+        changes = _data_changes(saved, here, "then", "now")
         if self.cfg.checkpoint.allow_data_change:
             logger.warning(f"resuming {path} on other data ({changes}): sample {state['consumed_samples']:,} of "
                            "the new data's order comes next")
@@ -802,8 +831,9 @@ class Checkpointer:
             if progress.step != self._saved_step and (self.stopped or self.cfg.checkpoint.save_final):
                 self.save(progress)
             self._wait()
-            self._join_deletions()
             dist.barrier(group=self.group)  # no rank exits before rank 0 has committed
+            if not self.stopped:  # a stopped run spends its grace period exiting: deletions are safe to cut short
+                self._join_deletions()
         if self.stopped:
             logger.info(f"stopped at step {progress.step} on a stop signal; the checkpoint is complete: run the "
                         "same command to resume")
@@ -936,7 +966,8 @@ class Checkpointer:
         old += [(path, "incomplete, older than the newest complete checkpoint") for step, path, incomplete in found
                 if incomplete and step < complete[-1][0]]
         if old:
-            thread = threading.Thread(target=_delete, args=(old,), name="checkpoint-retention")
+            # A daemon: the exit of a stopped run does not wait for it (finish() waits for it otherwise).
+            thread = threading.Thread(target=_delete, args=(old,), name="checkpoint-retention", daemon=True)
             thread.start()
             self._deletions.append((thread, {path for path, _ in old}))
 
@@ -948,8 +979,12 @@ class Checkpointer:
 
 def _delete(paths: list[tuple[Path, str]]) -> None:
     for path, why in paths:
-        shutil.rmtree(path)
-        logger.info(f"deleted {path} ({why})")
+        try:
+            shutil.rmtree(path)
+        except OSError as err:  # what is left has no marker: the next retention deletes it as incomplete
+            logger.warning(f"could not delete {path} ({why}): {err}")
+        else:
+            logger.info(f"deleted {path} ({why})")
 
 
 # ----------------------------------------------------------------------------------------------------- CLI

@@ -209,7 +209,8 @@ class CheckpointConfig:
     """Start from these weights (a checkpoint path, or hf:<folder> for a Hugging Face Llama) with fresh
     optimizer and step count, for fine-tuning. Ignored when resuming."""
     allow_data_change: bool = False
-    """Resume although the data differ from the checkpoint's (seed, token shards or source): training goes on
+    """Resume although the data differ from the checkpoint's (seed, token shards' names and sizes, or synthetic
+    tokens instead of shards): training goes on
     at the saved sample count in the new data's order. Off: such a resume is an error, as data changed by
     mistake would skip or repeat samples."""
     save_final: bool = True

@@ -253,11 +253,12 @@ class TokenWindows(Dataset):
         return self.window(self.order(g))
 
     def identity(self) -> dict:
-        """What sample g is, besides seq_len: the seed, and the shards' names, sizes and tokenizer (not their
-        contents, which would take minutes to hash; nor their folder, which may move)."""
-        shards = [(s.path.name, s.num_tokens, s.tokenizer) for s in self.stream.shards]
+        """What sample g is, besides seq_len: the seed, and the shards' names, sizes and tokenizer file name (not
+        their contents, which would take minutes to hash; nor the folders of shards or tokenizer, which may move)."""
+        shards = [(s.path.name, s.num_tokens, Path(s.tokenizer).name) for s in self.stream.shards]
         digest = hashlib.blake2b(json.dumps(shards).encode(), digest_size=8).hexdigest()
-        return {"seed": self.order.seed, "tokens": len(self.stream), "shards": len(shards), "shards_digest": digest}
+        return {"kind": "token shards", "seed": self.order.seed, "tokens": len(self.stream), "shards": len(shards),
+                "shards_digest": digest}
 
     def __repr__(self) -> str:
         tokenizer = self.stream.shards[0].tokenizer
@@ -281,7 +282,7 @@ class SyntheticTokens(Dataset):
 
     def identity(self) -> dict:
         """What sample g is, besides seq_len."""
-        return {"synthetic_vocab_size": self.vocab_size, "seed": self.seed}
+        return {"kind": "synthetic tokens", "vocab_size": self.vocab_size, "seed": self.seed}
 
     def __repr__(self) -> str:
         return f"data.source=synthetic: random tokens below {self.vocab_size}, samples of {self.seq_len}"

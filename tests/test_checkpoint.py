@@ -26,7 +26,7 @@ from fsdp_trainer.models.llama import build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler
 from fsdp_trainer.train import build_model, main, run
 
-from helpers import TINY_FLAGS, TORCHRUN
+from helpers import TINY_FLAGS, TORCHRUN, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("fault_worker.py")
@@ -519,7 +519,7 @@ def test_retention_deletes_incomplete_folders_older_than_the_newest_complete_one
         capfd.readouterr().err
 
 
-def test_training_never_waits_for_retention_to_finish_deleting(tmp_path, monkeypatch):
+def test_training_never_waits_for_retention_to_finish_deleting(tmp_path, monkeypatch, capfd):
     """Deleting old checkpoints on slow storage may outlast a step, and a rank 0 that waited for it at the next
     commit would look hung to the other ranks' watchdogs. Here the first deletion cannot finish before step 4 has
     begun, so a commit that waited for it would never get there; the run still ends with checkpoint.keep."""
@@ -541,6 +541,7 @@ def test_training_never_waits_for_retention_to_finish_deleting(tmp_path, monkeyp
     train_in_process("--train.steps", "5", "--checkpoint.interval", "1", "--checkpoint.keep", "1",
                      "--checkpoint.async_mode", "none", "--train.output_dir", str(tmp_path))
     assert not waited_out, "a commit waited for retention's deletion"
+    assert "could not delete" not in capfd.readouterr().err  # nor was a folder being deleted deleted again
     assert [step for step, _ in ck.list_checkpoints(tmp_path / "checkpoints")] == [5]
 
 
@@ -549,6 +550,30 @@ def test_resume_refuses_to_mix_runs_in_one_folder(small, capsys):
         with pytest.raises(SystemExit):
             main([*TINY, "--train.output_dir", str(small), "--checkpoint.resume", resume])
         assert "step_00000004 that this run would mix with its own" in capsys.readouterr().err
+
+
+def restore_with_seed_by_rank(out: str, seeds: list[int]) -> str:
+    info = distributed.init(60)
+    cfg = parse_args([*TINY, "--train.output_dir", out])
+    model, _ = build_model(cfg, distributed.build_mesh("cpu", 1, info.world_size), info.device)
+    optimizer = build_optimizer(model, cfg.optim, info.device)
+    data = {"kind": "synthetic tokens", "vocab_size": 320, "seed": seeds[info.rank]}
+    ckpt = ck.Checkpointer(cfg, info, model, optimizer, build_scheduler(optimizer, cfg.optim, 4), data=data)
+    try:
+        ckpt.restore()
+    except ck.CheckpointError as err:
+        return str(err)
+    return "restored"
+
+
+def test_ranks_reading_other_data_than_rank_0_stop_every_rank(tmp_path):
+    """A node-local copy of the data that differs: every rank stops with the same error, naming the rank and the
+    difference, instead of rank 0 going on alone (and later blaming the checkpoint for the broken group)."""
+    messages = run_ranks(restore_with_seed_by_rank, 3, str(tmp_path), [0, 1, 1])
+    assert messages[0].startswith("rank 1 reads other data than rank 0 (seed 0 on rank 0, 1 on rank 1; other data "
+                                  "also on rank(s) 2)"), messages[0]
+    assert messages == [messages[0]] * 3
+    assert run_ranks(restore_with_seed_by_rank, 2, str(tmp_path), [4, 4]) == ["restored"] * 2
 
 
 def test_rerunning_an_explicit_resume_continues_its_own_checkpoints(small, tmp_path, capfd):
@@ -613,9 +638,9 @@ def test_an_unusable_marker_is_an_error_and_never_deleted(small, tmp_path, capfd
         with pytest.raises(SystemExit) as exit_info:
             main([*flags, "--checkpoint.resume", resume])
         assert exit_info.value.code == 2
-    err = capfd.readouterr().err
-    assert f"checkpoint {step4} cannot be used: it has a {ck.MARKER} that is not format 1" in err
-    assert "step_00000004 that this run would mix with its own" in err
+        err = capfd.readouterr().err
+        assert f"checkpoint {step4} cannot be used: it has a {ck.MARKER} that is not format 1" in err, resume
+        assert f"--checkpoint.resume {step2} --checkpoint.dir <new folder>" in err, resume
     assert tree(root) == before
     ck.main(["list", str(root)])
     assert f"{step4}  UNUSABLE: it has a {ck.MARKER} that is not format 1" in capfd.readouterr().out
