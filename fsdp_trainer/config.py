@@ -89,7 +89,7 @@ class TrainConfig:
     output_dir: str = "outputs"
     """Logs, TensorBoard events, the resolved config and checkpoints go here."""
     log_every: int = 10
-    """Print and record metrics every N steps: with bfloat16 or float32 on GPUs, the only steps (besides saves) on
+    """Print and record metrics every N steps: on GPUs without CPU offload, the only steps (besides saves) on
     which the host waits for the GPU."""
     loss_chunk_tokens: int = 0
     """Compute the loss this many tokens at a time inside the output projection, so the whole sequence's logits

@@ -79,6 +79,13 @@ def build_mesh(device_type: str, dp_replicate: int, dp_shard: int) -> DeviceMesh
     return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
+def shutdown(abort: bool = False) -> None:
+    """Tear down every process group: gracefully, or, with `abort`, without waiting for the other ranks. A rank
+    that fails leaves them inside a collective it will never join, and NCCL's graceful teardown would wait for
+    them until their watchdogs fire; aborted, it exits now, and torchrun stops the job naming this rank."""
+    if not dist.is_initialized():
+        return
+    if abort:
+        dist.distributed_c10d._abort_process_group()  # every group, NCCL's within one group call (no deadlock)
+    else:
         dist.destroy_process_group()

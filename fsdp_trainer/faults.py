@@ -68,6 +68,8 @@ class Watchdog:
 
     def __init__(self, rank: int, world_size: int, init_timeout_s: float, timeout_s: float, mesh: DeviceMesh):
         self.rank, self.world_size = rank, world_size
+        # This thread's device: the watchdog's own thread would otherwise see device 0.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else None
         self.init_timeout_s, self.timeout_s = init_timeout_s, timeout_s
         self.store = dist.distributed_c10d._get_default_store()
         # The mesh's sub-groups (HSDP) start with the backend's default timeout (NCCL 10 min, gloo 30), not the
@@ -120,6 +122,10 @@ class Watchdog:
             if self.paused_depth or time.monotonic() - self.last_progress < self.timeout:
                 continue
             state, location = _main_thread_location()
+            if state == "busy" and not self._gpu_drains():
+                # Under NCCL the CPU of a rank whose peer hangs is stopped by its GPU (in the autograd engine, or
+                # launching into a full queue), not in a wait of its own: its GPU is what waits, in a collective.
+                state = "waiting"
             try:
                 # Say where this rank is stuck, then give the other ranks' watchdogs time to say the same. A store
                 # that cannot be reached answers within 5 s instead of after its own (start-up) timeout.
@@ -136,6 +142,30 @@ class Watchdog:
                 for handler in logger.handlers:
                     handler.flush()
                 os._exit(EXIT_HANG)
+
+    def _gpu_drains(self) -> bool:
+        """Whether this rank's GPU finishes the work queued on it within a second (True without a GPU). Probed
+        from a thread of its own: with the launch queue full, even recording an event blocks."""
+        if self.device is None:
+            return True
+        drained = []
+
+        def probe() -> None:
+            try:
+                with torch.cuda.device(self.device):  # a new thread starts on device 0
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.default_stream(self.device))
+                    deadline = time.monotonic() + 1.0
+                    while not event.query() and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    drained.append(event.query())
+            except Exception:  # noqa: BLE001 - no answer from the GPU is no evidence that it waits
+                drained.append(True)
+
+        thread = threading.Thread(target=probe, name="fsdp_trainer-gpu-probe", daemon=True)
+        thread.start()
+        thread.join(timeout=2.0)
+        return bool(drained and drained[0])
 
     def _publish_checkpointing(self, checkpointing: bool) -> None:
         """Say (or stop saying) in this rank's report that it is in a checkpoint save."""

@@ -291,12 +291,16 @@ def main(argv=None) -> None:
     info = distributed.init(cfg.dist.init_timeout_s, cpu_collectives=cfg.parallel.cpu_offload)
     try:
         run(cfg, info, memory_plan, signals)
-    except (CheckpointError, NonFiniteError) as err:  # raised alike on every rank: one message is enough
-        exit_with_error(str(err), show=info.is_main)
-    except DataError as err:  # raised by the ranks that read the bad data only
-        exit_with_error(f"[rank {info.rank}] {err}", show=True)
-    finally:
+    except BaseException as err:
+        distributed.shutdown(abort=not (isinstance(err, SystemExit) and not err.code))  # exit 0: a clean stop
+        if isinstance(err, (CheckpointError, NonFiniteError)):  # raised alike on every rank: one message will do
+            exit_with_error(str(err), show=info.is_main)
+        if isinstance(err, DataError):  # raised by the ranks that read the bad data only
+            exit_with_error(f"[rank {info.rank}] {err}", show=True)
+        raise
+    else:
         distributed.shutdown()
+    finally:
         signals.restore()
 
 

@@ -23,13 +23,14 @@ if [[ $# -eq 0 ]]; then
     exit 2
 fi
 
-"$@" &
-launcher=$!
+launcher=""   # torchrun's pid, once started
+pending=()    # signals received that no training process could take yet, in order
 
 # The launcher's direct children, read from /proc (procps' pgrep is missing from many container images).
-# shellcheck disable=SC2317  # reached through relay(), from the traps below
+# shellcheck disable=SC2317  # reached through deliver(), from the traps below
 children() {
     local stat line rest ppid
+    [[ -n "$launcher" ]] || return 0
     for stat in /proc/[0-9]*/stat; do
         read -r line 2>/dev/null < "$stat" || continue   # the process may be gone already
         rest="${line##*) }"                               # after "pid (comm) ": comm may hold spaces
@@ -40,25 +41,62 @@ children() {
     done
 }
 
-# shellcheck disable=SC2317  # reached through the traps below
-relay() {
-    local sig="$1" workers
-    mapfile -t workers < <(children)
-    if [[ ${#workers[@]} -eq 0 ]]; then
-        # Before the rendezvous there is nothing to save; torchrun ends with the job.
-        echo "[relay_signals ${HOSTNAME:-}] SIG$sig: no training processes (yet); not relayed" >&2
-        return 0
-    fi
-    echo "[relay_signals ${HOSTNAME:-}] SIG$sig -> training processes ${workers[*]}" >&2
-    kill -s "$sig" "${workers[@]}" 2>/dev/null || true
+# Whether process $1 has a handler for signal number $2 (the SigCgt mask of /proc/PID/status): a rank still
+# importing torch has none yet, and SIGTERM's default action would kill it.
+# shellcheck disable=SC2317
+catches() {
+    local mask
+    mask="$(sed -n 's/^SigCgt:[[:space:]]*//p' "/proc/$1/status" 2>/dev/null)" || return 1
+    [[ -n "$mask" ]] && (( (16#$mask >> ($2 - 1)) & 1 ))
 }
-trap 'relay USR1' USR1
-trap 'relay TERM' TERM
+
+# Relay the pending signals once every training process catches them; until then they stay pending (a
+# signal before the rendezvous, or while the ranks start, is kept, not lost).
+# shellcheck disable=SC2317
+deliver() {
+    local workers worker sig
+    [[ ${#pending[@]} -gt 0 ]] || return 0
+    mapfile -t workers < <(children)
+    [[ ${#workers[@]} -gt 0 ]] || return 0
+    for worker in "${workers[@]}"; do
+        for sig in "${pending[@]}"; do
+            catches "$worker" "$(kill -l "$sig")" || return 0
+        done
+    done
+    for sig in "${pending[@]}"; do
+        echo "[relay_signals ${HOSTNAME:-}] SIG$sig -> training processes ${workers[*]}" >&2
+        kill -s "$sig" "${workers[@]}" 2>/dev/null || true
+    done
+    pending=()
+}
+# shellcheck disable=SC2317
+receive() {
+    pending+=("$1")
+    deliver
+    if [[ ${#pending[@]} -gt 0 ]]; then
+        echo "[relay_signals ${HOSTNAME:-}] SIG$1: no training process handles it yet; relaying it once they do" >&2
+    fi
+}
+# Set before torchrun starts: a signal in between would otherwise kill this script and orphan torchrun.
+trap 'receive USR1' USR1
+trap 'receive TERM' TERM
+
+# torchrun and its ranks start with SIGUSR1 ignored (a disposition that exec and fork keep): the trainer installs
+# its handler early, but an early SIGUSR1 (one sent to the whole job, say) would otherwise kill torchrun, or a
+# rank still starting.
+( trap '' USR1; exec "$@" ) &
+launcher=$!
 
 # `wait` returns early (status > 128) whenever a trapped signal arrives: keep waiting while torchrun lives,
 # then collect its real exit status (bash keeps it for a reaped background job).
+# While signals are pending, look every second for training processes that can take them.
 while kill -0 "$launcher" 2>/dev/null; do
-    wait "$launcher" || true
+    if [[ ${#pending[@]} -gt 0 ]]; then
+        sleep 1 & wait $! || true
+        deliver
+    else
+        wait "$launcher" || true
+    fi
 done
 rc=0
 wait "$launcher" || rc=$?

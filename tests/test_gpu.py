@@ -213,3 +213,43 @@ def test_cpu_offload_trains_on_two_gpus(tmp_path):
                    check=True, timeout=300)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(row["grad_norm"] > 0 for row in rows)
+
+
+def _faulty_job(tmp_path, fault: str, timeout_s: int, *model_flags: str):
+    """A 2-GPU NCCL job (the tiny model unless `model_flags` say otherwise) whose rank 1 suffers `fault` at its 4th
+    step (tests/fault_worker.py); returns the finished process and the seconds it took."""
+    import subprocess
+    import time
+    from pathlib import Path
+
+    from helpers import TINY_FLAGS, TORCHRUN
+    worker = Path(__file__).with_name("fault_worker.py")
+    cmd = [*TORCHRUN, "--nproc_per_node=2", str(worker), fault, "1", "4", "--", *(model_flags or TINY_FLAGS),
+           "--data.source", "synthetic", "--train.steps", "8", "--train.output_dir", str(tmp_path),
+           "--dist.timeout_s", str(timeout_s), "--checkpoint.interval", "0", "--checkpoint.no_save_final"]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_crash_under_nccl_ends_the_job_at_once_naming_the_rank(tmp_path):
+    """The crashed rank aborts its NCCL groups: a graceful teardown would wait for the peer it left inside a
+    collective until that peer's watchdog fired (dist.timeout_s, 90 s here), and the job would blame the peer."""
+    proc, elapsed = _faulty_job(tmp_path, "crash", 90)
+    assert proc.returncode != 0 and "injected crash" in proc.stderr
+    assert "rank      : 1" in proc.stderr and "no progress" not in proc.stderr, proc.stderr[-3000:]
+    assert elapsed < 60, elapsed
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_hung_rank_under_nccl_is_the_only_suspect(tmp_path):
+    """Rank 1 hangs outside any collective at its 4th step. With a model whose steps fill the GPU (Llama 3.2 1B,
+    eager), rank 0's CPU then stops inside that step too, in the autograd engine or on a full launch queue, while
+    its GPU waits in a collective: the watchdog must count rank 0 as waiting, not as busy."""
+    proc, _ = _faulty_job(tmp_path, "hang", 10, "--config", "configs/llama3_1b.toml", "--parallel.no_compile",
+                          "--data.num_workers", "0")
+    verdicts = sorted({line.split("suspect rank(s): ", 1)[1] for line in proc.stderr.splitlines()
+                       if "suspect rank(s): " in line})
+    assert proc.returncode != 0 and verdicts, proc.stderr[-3000:]
+    assert all(v.startswith("1 (") and "; 0 (" not in v for v in verdicts), verdicts

@@ -328,6 +328,39 @@ def test_elastic_restart_resumes_exactly(uninterrupted, tmp_path):
           f"{want[-1]['loss']!r} ({'bit-identical' if got[-1]['loss'] == want[-1]['loss'] else 'within 1e-6'})")
 
 
+# A stand-in for torchrun: one "rank" that takes 2 s to install its stop handler, as a rank importing torch does,
+# records each SIGUSR1, and exits 0 after one (3 if none comes within 20 s).
+FAKE_RANK = """
+import signal, sys, time
+time.sleep(2)
+signal.signal(signal.SIGUSR1, lambda *_: open(sys.argv[1], "a").write("USR1\\n"))
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline and not open(sys.argv[1]).read():
+    time.sleep(0.05)
+time.sleep(1)  # room for a wrongly repeated signal
+sys.exit(0 if open(sys.argv[1]).read() else 3)
+"""
+FAKE_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', sys.argv[1], sys.argv[2]]))"
+
+
+@needs_proc
+def test_a_signal_before_the_ranks_handle_it_is_relayed_once_they_do(tmp_path):
+    """SIGUSR1 at once, before torchrun's ranks exist or handle it: the relay keeps it until they do, instead of
+    dropping it (nothing would stop the run) or delivering it early (its default action would kill a rank)."""
+    record = tmp_path / "signals"
+    record.write_text("")
+    proc = subprocess.Popen(["bash", str(LAUNCH / "relay_signals.sh"), sys.executable, "-c", FAKE_LAUNCHER,
+                             FAKE_RANK, str(record)], stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        stop_tree(proc)
+    assert proc.returncode == 0 and record.read_text() == "USR1\n", err
+    assert "no training process handles it yet" in err and "SIGUSR1 -> training processes" in err, err
+
+
 @needs_proc
 def test_slurm_preemption_chain(tmp_path):
     """slurm.sbatch with stand-ins for srun and scontrol on one "node" of 2 ranks, DataLoader workers on:
