@@ -111,12 +111,15 @@ def breakdown(trace: dict) -> dict[str, float]:
 
 
 class StepProfiler:
-    """Call `before(step)` and `after(step)` around each training step; records steps first..last."""
+    """Call `before(step)` and `after(step)` around each training step; records steps first..last.
+    `history_on`: the allocator's history is recorded for the whole run already (memory.oom_snapshot), and stays
+    on after the snapshot."""
 
     def __init__(self, spec: Optional[str], memory_snapshot: bool, output_dir: Path, rank: int,
-                 device: torch.device):
+                 device: torch.device, history_on: bool = False):
         self.range = parse_steps(spec) if spec else None
         self.memory_snapshot = memory_snapshot and device.type == "cuda"
+        self.history_on = history_on
         self.dir, self.rank, self.device = output_dir / "profile", rank, device
         self.profiler = None
 
@@ -128,7 +131,7 @@ class StepProfiler:
             # The earlier steps' kernels still queued would land in the trace and in its per-step breakdown.
             torch.cuda.synchronize(self.device)
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-            if self.memory_snapshot:
+            if self.memory_snapshot and not self.history_on:
                 torch.cuda.memory._record_memory_history(max_entries=200_000)
         self.profiler = torch.profiler.profile(activities=activities)
         self.profiler.start()
@@ -145,7 +148,8 @@ class StepProfiler:
         self.profiler.export_chrome_trace(str(path))
         if self.memory_snapshot:
             torch.cuda.memory._dump_snapshot(str(self.dir / f"memory_rank{self.rank}_steps{first}-{last}.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            if not self.history_on:
+                torch.cuda.memory._record_memory_history(enabled=None)
         self.profiler = None
         parts = breakdown(json.loads(path.read_text()))
         steps = last - first + 1

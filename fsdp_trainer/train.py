@@ -160,7 +160,8 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     metrics = Metrics(device=device, total_steps=t.steps, tokens_per_step=global_batch * t.seq_len,
                       world_size=info.world_size, flops_per_token=args.flops_per_token(t.seq_len),
                       output_dir=output_dir, tensorboard=cfg.metrics.tensorboard, is_main=info.is_main)
-    profiler = StepProfiler(cfg.profile.steps, cfg.profile.memory_snapshot, output_dir, info.rank, device)
+    profiler = StepProfiler(cfg.profile.steps, cfg.profile.memory_snapshot, output_dir, info.rank, device,
+                            history_on=cfg.memory.oom_snapshot and device.type == "cuda")
     watchdog = Watchdog(info.rank, info.world_size, cfg.dist.init_timeout_s, cfg.dist.timeout_s, mesh)
     metrics.start(progress.step)
     rows_file = start_rows_file(output_dir, progress.step) if info.is_main else None

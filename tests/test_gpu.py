@@ -215,6 +215,22 @@ def test_cpu_offload_trains_on_two_gpus(tmp_path):
     assert len(rows) == 4 and all(row["grad_norm"] > 0 for row in rows)
 
 
+def test_a_profiled_memory_snapshot_leaves_the_oom_history_recording(info, tmp_path):
+    """memory.oom_snapshot records the allocator's history for the whole run, for the snapshot an OOM writes; a
+    profile's memory snapshot in between must leave it recording."""
+    torch.cuda.memory._record_memory_history(enabled=None)
+    try:
+        _run(info, tmp_path, train={"steps": 4}, profile={"steps": "2:3", "memory_snapshot": True},
+             memory={"oom_snapshot": True})
+        assert list((tmp_path / "profile").glob("memory_rank0_steps2-3.pickle"))
+        marker = torch.empty(12345, dtype=torch.uint8, device="cuda")
+        traces = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        assert any(t["action"] == "alloc" and t["size"] >= 12345 and t["addr"] == marker.data_ptr()
+                   for t in traces[-50:])
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
 def _faulty_job(tmp_path, fault: str, timeout_s: int, *model_flags: str):
     """A 2-GPU NCCL job (the tiny model unless `model_flags` say otherwise) whose rank 1 suffers `fault` at its 4th
     step (tests/fault_worker.py); returns the finished process and the seconds it took."""
