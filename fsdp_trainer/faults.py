@@ -288,11 +288,24 @@ class NonFiniteGuard:
         return skipped
 
 
+# What train_step (train.py) calls, by the name of the function it calls; anything else is the model or the loss.
+_STEP_CALLS = {"backward": "backward", "unscale_": "float16 unscaling", "clip_grad_norm": "gradient clipping",
+               "step": "optimizer step", "zero_grad": "zero_grad"}
+
+
+def oom_phase(err: BaseException) -> str:
+    """The part of the training step that raised `err`: the call train_step made (backward, optimizer step...),
+    the forward (the model or the loss), or "the training loop" outside train_step."""
+    frames = [f.name for f in traceback.extract_tb(err.__traceback__)]
+    if "train_step" not in frames or frames[-1] == "train_step":
+        return "the training loop" if "train_step" not in frames else "the training step"
+    return _STEP_CALLS.get(frames[frames.index("train_step") + 1], "forward")
+
+
 def describe_oom(err: BaseException, rank: int, device: torch.device, planned_bytes: Optional[int],
                  suggestion: Optional[str], snapshot_dir: Optional[Path]) -> str:
     """One message for a CUDA out-of-memory: where it happened, measured vs planned peak, and what to change."""
-    frames = [f.name for f in traceback.extract_tb(err.__traceback__)]
-    phase = "backward" if "backward" in frames else "optimizer step" if "step" in frames else "forward"
+    phase = oom_phase(err)
     peak = torch.cuda.max_memory_allocated(device) / 2**30
     capacity = torch.cuda.get_device_properties(device).total_memory / 2**30
     parts = [f"rank {rank}: CUDA out of memory during {phase}; peak allocated {peak:.1f} GiB of {capacity:.1f} GiB"]

@@ -174,3 +174,35 @@ def test_a_float16_loss_scale_below_1_stops_the_run():
     diverged = NonFiniteGuard(torch.device("cpu"), "stop", 10, scaler=torch.amp.GradScaler("cpu", init_scale=0.5))
     with pytest.raises(NonFiniteError, match="float16 loss scale fell to 0.5"):
         diverged.check()
+
+
+def test_an_oom_names_the_part_of_the_step_it_happened_in():
+    """Gradient clipping, zero_grad and unscaling used to be reported as the forward."""
+    from fsdp_trainer.faults import oom_phase
+
+    def train_step(call):
+        call()
+
+    def raised(call) -> str:
+        try:
+            train_step(call)
+        except torch.OutOfMemoryError as err:
+            return oom_phase(err)
+        raise AssertionError("no OOM")
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    def named(name):
+        def call():
+            oom()
+        call.__code__ = call.__code__.replace(co_name=name)
+        return call
+
+    want = {"backward": "backward", "clip_grad_norm": "gradient clipping", "zero_grad": "zero_grad",
+            "unscale_": "float16 unscaling", "step": "optimizer step", "_wrapped_call_impl": "forward"}
+    assert {name: raised(named(name)) for name in want} == want
+    try:
+        oom()
+    except torch.OutOfMemoryError as err:
+        assert oom_phase(err) == "the training loop"
