@@ -123,6 +123,20 @@ class StepProfiler:
         self.dir, self.rank, self.device = output_dir / "profile", rank, device
         self.profiler = None
 
+    def start(self, first_step: int) -> None:
+        """Say so if the run begins past the window (a resume): then nothing would be profiled."""
+        if self.range is not None and first_step > self.range[0]:
+            logger.warning(f"profile.steps={self.range[0]}:{self.range[1]} starts before this run's first step, "
+                           f"{first_step}: nothing is profiled; give steps from {first_step} on")
+
+    def close(self) -> None:
+        """Stop a recording that the run's end or a failure cut short, keeping nothing of it."""
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
+            if self.memory_snapshot and not self.history_on:
+                torch.cuda.memory._record_memory_history(enabled=None)
+
     def before(self, step: int) -> None:
         if self.range is None or step != self.range[0]:
             return

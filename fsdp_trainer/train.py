@@ -162,9 +162,11 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
                       output_dir=output_dir, tensorboard=cfg.metrics.tensorboard, is_main=info.is_main)
     profiler = StepProfiler(cfg.profile.steps, cfg.profile.memory_snapshot, output_dir, info.rank, device,
                             history_on=cfg.memory.oom_snapshot and device.type == "cuda")
-    watchdog = Watchdog(info.rank, info.world_size, cfg.dist.init_timeout_s, cfg.dist.timeout_s, mesh)
     metrics.start(progress.step)
+    profiler.start(progress.step + 1)
     rows_file = start_rows_file(output_dir, progress.step) if info.is_main else None
+    # Last before the loop's try: its thread must not outlive a failure in the set-up above.
+    watchdog = Watchdog(info.rank, info.world_size, cfg.dist.init_timeout_s, cfg.dist.timeout_s, mesh)
     history, memory_compared = [], memory_plan is None
     try:
         with ckpt.training(watchdog, before_save=guard.check), scheduled_gc(t.gc_every) as collect_garbage:
@@ -199,6 +201,7 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
         raise SystemExit(1) from None
     finally:
         watchdog.stop()
+        profiler.close()
         metrics.close()
         stop_workers(batches)
     return {"step": progress.step, "history": history, "model": model, "optimizer": optimizer, "scaler": scaler}

@@ -65,3 +65,24 @@ def test_profiled_run_writes_a_chrome_trace(tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("name", "").startswith("aten::mm") for e in events)
     assert "profile of steps 2-3 written to" in out.stderr
+
+
+def test_a_window_cut_short_is_stopped_and_one_before_the_run_is_named(tmp_path, caplog):
+    """A failure or stop inside the window leaves no profiler running (the next one would refuse to start), and a
+    resumed run whose first step is past the window says that nothing is profiled instead of staying silent."""
+    import torch
+
+    from fsdp_trainer.profiling import StepProfiler
+
+    cut = StepProfiler("2:5", False, tmp_path, 0, torch.device("cpu"))
+    cut.start(1)
+    cut.before(2)
+    torch.ones(4) @ torch.ones(4)
+    cut.close()
+    assert cut.profiler is None and not (tmp_path / "profile").exists()
+    with torch.profiler.profile():  # refused while another profiler still runs
+        pass
+
+    with caplog.at_level("WARNING", logger="fsdp_trainer"):
+        StepProfiler("2:5", False, tmp_path, 0, torch.device("cpu")).start(7)
+    assert "profile.steps=2:5 starts before this run's first step, 7: nothing is profiled" in caplog.text
