@@ -15,6 +15,8 @@ What it does, in order; the exit status is 0 only if every step passed:
    `nvidia-smi topo -m`. Gathered through the c10d store, so it prints even when the collectives are broken.
 2. Checks: all_reduce, all_gather, reduce_scatter, broadcast (from rank 0) and a send/recv ring, on the group's
    device (NCCL on GPU, gloo on CPU), at a small and a large message size (NCCL switches protocol between them).
+   On several nodes a second ring sends from each rank to the same local rank of the next node: the first ring
+   leaves a node from one GPU only, so it would not see a dead network card of any other.
    Every rank contributes distinct small integers, so every element of every result has an exact expected value.
 3. Bandwidth: all_reduce, all_gather and reduce_scatter over --sizes (powers of 4), the mean time of --iters runs
    back to back (CUDA events on GPU), as nccl-tests times them. algbw = size / time and busbw as nccl-tests
@@ -39,7 +41,8 @@ not tried: they pass on one node, and fail the first run that spans nodes.
 Fault injection, for the tests: FSDP_TRAINER_DOCTOR_FAULT=hang:rank=1 makes rank 1 block before its first
 collective check; wrong:rank=1 makes rank 1 add 1 to everything it contributes; raise:rank=1 makes rank 1 raise
 where it would contribute to its first check (as out of memory would), leaving the others inside the collective;
-drop:rank=1 makes rank 1's ring sends never leave, as over a dead link.
+drop:rank=1 makes rank 1's ring sends never leave, as over a dead link; drop_remote:rank=1 only those to another
+node, as over a dead network card.
 """
 
 from __future__ import annotations
@@ -312,9 +315,15 @@ class Doctor:
         self.report["check_elements"] = list(self.check_counts)
 
         self._environment()
-        for name, check in (("all_reduce", self._all_reduce), ("all_gather", self._all_gather),
-                            ("reduce_scatter", self._reduce_scatter), ("broadcast", self._broadcast),
-                            ("send_recv_ring", self._ring)):
+        # torchrun numbers ranks node by node: rank // local is the node.
+        self.local = int(os.environ.get("LOCAL_WORLD_SIZE", self.n))
+        self.ring_strides = {"send_recv_ring": 1}
+        if self.n > self.local and self.n % self.local == 0:
+            self.ring_strides["send_recv_nodes"] = self.local
+        checks = [("all_reduce", self._all_reduce), ("all_gather", self._all_gather),
+                  ("reduce_scatter", self._reduce_scatter), ("broadcast", self._broadcast),
+                  *((name, partial(self._ring, stride=stride)) for name, stride in self.ring_strides.items())]
+        for name, check in checks:
             if name == "send_recv_ring" and self.n == 1:
                 self.report["checks"].append({"name": name, "ok": True, "skipped": "needs 2+ ranks"})
             else:
@@ -399,7 +408,8 @@ class Doctor:
             self.report["hints"].append("a rank that failed left the others waiting inside the collective: fix "
                                         "its error first (out of memory at the largest bandwidth sizes: pass a "
                                         "smaller --sizes, e.g. --sizes 256M)")
-        links = self._undelivered(stuck) if name == "send_recv_ring" and stuck and not suspects else []
+        stride = self.ring_strides.get(name)
+        links = self._undelivered(stuck, stride) if stride and stuck and not suspects else []
         if stuck and suspects:
             parts.append(f"rank(s) {_ranks(stuck)} are waiting inside it for rank(s) {_ranks(suspects)}")
         elif links:
@@ -416,13 +426,13 @@ class Doctor:
         self._finish()
         _exit(1)
 
-    def _undelivered(self, stuck: list[int]) -> list[list[int]]:
+    def _undelivered(self, stuck: list[int], stride: int) -> list[list[int]]:
         """The ring's links [prev, rank] that never delivered: the stuck ranks without a receive at the first size
         where any is missing. A rank that got past that size and waits at the next one waits for a laggard."""
         for count in self.check_counts:
-            late = [r for r in stuck if not self.store.check([f"doctor/ring/{count}/recv/{r}"])]
+            late = [r for r in stuck if not self.store.check([f"doctor/ring/{stride}/{count}/recv/{r}"])]
             if late:
-                return [[(r - 1) % self.n, r] for r in late]
+                return [[(r - stride) % self.n, r] for r in late]
         return []
 
     def _init_failed(self, what: str) -> None:
@@ -511,17 +521,21 @@ class Doctor:
         wrong = _mismatch(x, _pattern(0, count, self.device))
         return wrong, [0] if wrong else []
 
-    def _ring(self, count: int):
-        prev, send = (self.rank - 1) % self.n, self._contribution(count)
-        recv = torch.full((count,), -1.0, device=self.device)
+    def _ring(self, count: int, stride: int = 1):
+        """Each rank sends to rank + stride and receives from rank - stride."""
+        prev, after = (self.rank - stride) % self.n, (self.rank + stride) % self.n
+        send, recv = self._contribution(count), torch.full((count,), -1.0, device=self.device)
+        remote = after // self.local != self.rank // self.local
+        dropped = self.fault == ("drop", self.rank) or (remote and self.fault == ("drop_remote", self.rank))
 
-        def post_send():  # the injected dead link: this rank's sends never leave
-            return None if self.fault == ("drop", self.rank) else dist.isend(send, (self.rank + 1) % self.n)
+        def post_send():  # an injected dead link never delivers
+            return None if dropped else dist.isend(send, after)
 
         # Single sends and receives, not one batch: NCCL completes a batch as one piece of work, and a hang report
-        # needs to know which receive never completed. Even ranks send first and odd ranks receive first, so where
-        # a send and a receive share one NCCL stream (two ranks) each send meets a posted receive.
-        if self.rank % 2:
+        # needs to know which receive never completed. Ranks of even (rank // stride) send first, the others
+        # receive first, so where a send and a receive share one NCCL stream (two ranks, or two nodes in the
+        # second ring) each send meets a posted receive.
+        if (self.rank // stride) % 2:
             receiving = dist.irecv(recv, prev)
             sending = post_send()
         else:
@@ -530,7 +544,7 @@ class Doctor:
         receiving.wait()
         if self.device.type == "cuda":  # NCCL's wait() only orders the stream; the host must see the data arrive
             torch.cuda.current_stream().synchronize()
-        self.store.set(f"doctor/ring/{count}/recv/{self.rank}", "")  # link prev -> rank delivered, for the report
+        self.store.set(f"doctor/ring/{stride}/{count}/recv/{self.rank}", "")  # prev -> rank delivered: for the report
         if sending:
             sending.wait()
         wrong = _mismatch(recv, _pattern(prev, count, self.device))  # its host sync waits for the send as well
@@ -775,8 +789,10 @@ def _parse_fault(spec: str) -> Optional[tuple[str, int]]:
     if not spec:
         return None
     kind, _, target = spec.partition(":")
-    if kind not in ("hang", "wrong", "raise", "drop") or not target.startswith("rank=") or not target[5:].isdigit():
-        raise SystemExit(f"{FAULT_VAR}={spec!r}: expected hang, wrong, raise or drop, then :rank=N (e.g. hang:rank=1)")
+    if (kind not in ("hang", "wrong", "raise", "drop", "drop_remote") or not target.startswith("rank=")
+            or not target[5:].isdigit()):
+        raise SystemExit(f"{FAULT_VAR}={spec!r}: expected hang, wrong, raise, drop or drop_remote, then :rank=N "
+                         "(e.g. hang:rank=1)")
     return kind, int(target[5:])
 
 

@@ -188,3 +188,35 @@ def test_ring_hang_names_the_link_that_never_delivered():
     # Rank 1's sends never leave: rank 2 waits on it, and rank 0, a size further on, waits on rank 2.
     assert failed["links"] == [[1, 2]], failed["error"]
     assert "no data arrived over 1 -> 2 (within " in failed["error"] and "GLOO_SOCKET_IFNAME" in failed["error"]
+
+
+def two_node_doctor(fault: str = "") -> dict:
+    """The doctor on two "nodes" of two ranks on this host (two torchrun agents meeting in a c10d rendezvous, as on
+    two machines): rank 0's JSON report."""
+    from helpers import free_port
+    env = {k: v for k, v in os.environ.items() if k != FAULT_VAR} | {"PYTHONPATH": str(ROOT)}
+    if fault:
+        env[FAULT_VAR] = fault
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=doctor-{port}", "--local-addr=127.0.0.1",
+           "-m", "fsdp_trainer.doctor", "--json", "--deadline-s", "5", "--sizes", "0"]
+    agents = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    outputs = [agent.communicate(timeout=90) for agent in agents]
+    reports = [json.loads(out) for out, _ in outputs if out.strip()]
+    assert len(reports) == 1, [err[-2000:] for _, err in outputs]
+    return reports[0]
+
+
+@pytest.mark.slow
+def test_a_dead_network_link_of_any_gpu_is_named_on_several_nodes():
+    """The ring leaves a node from one GPU only; the second ring, rank -> same local rank of the next node, uses
+    every GPU's link between nodes: rank 0's (which the first ring never sends over) is named when it is dead."""
+    healthy = two_node_doctor()
+    assert healthy["ok"] and [c["name"] for c in healthy["checks"]] == [*CHECKS, "send_recv_nodes"]
+    failed = two_node_doctor("drop_remote:rank=0")
+    assert not failed["ok"] and all(c["ok"] for c in failed["checks"][:-1]), failed["checks"]
+    check = failed["checks"][-1]
+    assert check["name"] == "send_recv_nodes" and check["timed_out"] and check["links"] == [[0, 2]], check
+    assert "no data arrived over 0 -> 2" in check["error"]
