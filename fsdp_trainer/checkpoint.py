@@ -293,8 +293,8 @@ def _short_files(path: Path) -> list[str]:
         file = Path(path) / name
         if not file.is_file():
             short.append(f"{name} is missing")
-        elif file.stat().st_size < size:
-            short.append(f"{name} holds {file.stat().st_size:,} bytes where the index needs {size:,} (truncated)")
+        elif (have := file.stat().st_size) < size:
+            short.append(f"{name} holds {have:,} bytes where the index needs {size:,} (truncated)")
     return short
 
 
@@ -645,9 +645,9 @@ class Checkpointer:
 
     def _choose_resume(self) -> tuple[Optional[str], Optional[str]]:
         """The checkpoint to resume from (None: start fresh), and what this run's saves record as started_from: the
-        --checkpoint.resume path it was launched with (absolute), kept by every resume since, auto ones included. So the same command,
-        run again after a preemption, a crash or a requeue, resumes its own newest checkpoint instead of refusing
-        to mix with it, even once retention deleted the checkpoint it names."""
+        --checkpoint.resume path it was launched with (absolute), kept by every resume since, auto ones included.
+        So the same command, run again after a preemption, a crash or a requeue, resumes its own newest checkpoint
+        instead of refusing to mix with it, even once retention deleted the checkpoint it names."""
         resume = self.cfg.checkpoint.resume
         if resume == "none":
             self._refuse_mixing(after_step=-1, flag="--checkpoint.resume none")
@@ -658,6 +658,8 @@ class Checkpointer:
                 path = resolve(resume, "--checkpoint.resume")
                 self._refuse_mixing(after_step=read_trainer_state(path)["step"], flag=f"--checkpoint.resume {path}")
                 return str(path), named
+            logger.warning(f"resuming the newest checkpoint of this run, not {named}: this run began from {named} "
+                           f"and saved since (to begin again from {named}, save to another --checkpoint.dir)")
         latest, skipped = find_latest(self.root)
         for path, reason in skipped:
             logger.warning(f"skipping {path}: it {reason}")
@@ -675,11 +677,7 @@ class Checkpointer:
             return False
         newest = committed[-1][1]
         check_usable(newest)
-        if read_trainer_state(newest).get("started_from") != named:
-            return False
-        logger.warning(f"resuming the newest checkpoint of this run, {newest}, not {named}: this run began from "
-                       f"{named} and saved since (to begin again from {named}, save to another --checkpoint.dir)")
-        return True
+        return read_trainer_state(newest).get("started_from") == named
 
     def _refuse_mixing(self, after_step: int, flag: str) -> None:
         # Unusable ones count too: a save of their step would find them in the way, and must not delete them.

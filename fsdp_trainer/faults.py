@@ -297,9 +297,10 @@ def oom_phase(err: BaseException) -> str:
     """The part of the training step that raised `err`: the call train_step made (backward, optimizer step...),
     the forward (the model or the loss), or "the training loop" outside train_step."""
     frames = [f.name for f in traceback.extract_tb(err.__traceback__)]
-    if "train_step" not in frames or frames[-1] == "train_step":
-        return "the training loop" if "train_step" not in frames else "the training step"
-    return _STEP_CALLS.get(frames[frames.index("train_step") + 1], "forward")
+    if "train_step" not in frames:
+        return "the training loop"
+    called = frames[frames.index("train_step") + 1:]
+    return _STEP_CALLS.get(called[0], "forward") if called else "the training step"
 
 
 def describe_oom(err: BaseException, rank: int, device: torch.device, planned_bytes: Optional[int],

@@ -133,9 +133,13 @@ class StepProfiler:
         """Stop a recording that the run's end or a failure cut short, keeping nothing of it."""
         if self.profiler is not None:
             self.profiler.stop()
-            self.profiler = None
-            if self.memory_snapshot and not self.history_on:
-                torch.cuda.memory._record_memory_history(enabled=None)
+            self._release()
+
+    def _release(self) -> None:
+        """Forget the stopped profiler, and stop the allocator's history if it was started for it."""
+        self.profiler = None
+        if self.memory_snapshot and not self.history_on:
+            torch.cuda.memory._record_memory_history(enabled=None)
 
     def before(self, step: int) -> None:
         if self.range is None or step != self.range[0]:
@@ -162,9 +166,7 @@ class StepProfiler:
         self.profiler.export_chrome_trace(str(path))
         if self.memory_snapshot:
             torch.cuda.memory._dump_snapshot(str(self.dir / f"memory_rank{self.rank}_steps{first}-{last}.pickle"))
-            if not self.history_on:
-                torch.cuda.memory._record_memory_history(enabled=None)
-        self.profiler = None
+        self._release()
         parts = breakdown(json.loads(path.read_text()))
         steps = last - first + 1
         summary = " | ".join(f"{k} {v / steps:.1f} ms" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))

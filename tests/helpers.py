@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import subprocess
 import sys
+import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -94,3 +97,14 @@ def tiny_config(**sections) -> Config:
         for key, value in values.items():
             setattr(getattr(cfg, section), key, value)
     return cfg
+
+
+def launch_fault(fault: str, rank: str, step: int, *train_flags: str, nproc: int = 2,
+                 timeout: float = 180) -> tuple[subprocess.CompletedProcess, float]:
+    """tests/fault_worker.py under torchrun: the trainer with every one of `train_flags`, and `fault` injected on
+    `rank` at its `step`-th step. Returns the finished process and the seconds it took."""
+    worker = Path(__file__).with_name("fault_worker.py")
+    cmd = [*TORCHRUN, f"--nproc_per_node={nproc}", str(worker), fault, rank, str(step), "--", *train_flags]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start

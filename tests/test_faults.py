@@ -8,16 +8,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import TINY_FLAGS, TORCHRUN, run_ranks
+from helpers import TINY_FLAGS, launch_fault, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("fault_worker.py")
 TINY = [*TINY_FLAGS, "--data.source", "synthetic"]
 # Seconds within which a job with a hung or crashed rank must end, start-up included: ample on two busy cores, yet
 # short of the 120 s (dist.timeout_s's default) that a job whose timeout or crash went unnoticed would wait at least.
@@ -25,11 +23,9 @@ ENDS_WITHIN = 100
 
 
 def launch(fault: str, rank: str, step: int, tmp_path: Path, *flags: str, nproc: int = 2, timeout: float = 180):
-    cmd = [*TORCHRUN, f"--nproc_per_node={nproc}", str(WORKER), fault, rank, str(step), "--", *TINY,
-           "--train.output_dir", str(tmp_path), *flags]
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    return proc, time.monotonic() - start
+    """The tiny model with `flags`, writing to tmp_path, and `fault` injected (helpers.launch_fault)."""
+    return launch_fault(fault, rank, step, *TINY, "--train.output_dir", str(tmp_path), *flags, nproc=nproc,
+                        timeout=timeout)
 
 
 def test_a_hung_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):

@@ -233,19 +233,11 @@ def test_a_profiled_memory_snapshot_leaves_the_oom_history_recording(info, tmp_p
 
 def _faulty_job(tmp_path, fault: str, timeout_s: int, *model_flags: str):
     """A 2-GPU NCCL job (the tiny model unless `model_flags` say otherwise) whose rank 1 suffers `fault` at its 4th
-    step (tests/fault_worker.py); returns the finished process and the seconds it took."""
-    import subprocess
-    import time
-    from pathlib import Path
-
-    from helpers import TINY_FLAGS, TORCHRUN
-    worker = Path(__file__).with_name("fault_worker.py")
-    cmd = [*TORCHRUN, "--nproc_per_node=2", str(worker), fault, "1", "4", "--", *(model_flags or TINY_FLAGS),
-           "--data.source", "synthetic", "--train.steps", "8", "--train.output_dir", str(tmp_path),
-           "--dist.timeout_s", str(timeout_s), "--checkpoint.interval", "0", "--checkpoint.no_save_final"]
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    return proc, time.monotonic() - start
+    step; returns the finished process and the seconds it took."""
+    from helpers import TINY_FLAGS, launch_fault
+    return launch_fault(fault, "1", 4, *(model_flags or TINY_FLAGS), "--data.source", "synthetic", "--train.steps",
+                        "8", "--train.output_dir", str(tmp_path), "--dist.timeout_s", str(timeout_s),
+                        "--checkpoint.interval", "0", "--checkpoint.no_save_final", timeout=300)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
