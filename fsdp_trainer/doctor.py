@@ -42,7 +42,8 @@ Fault injection, for the tests: FSDP_TRAINER_DOCTOR_FAULT=hang:rank=1 makes rank
 collective check; wrong:rank=1 makes rank 1 add 1 to everything it contributes; raise:rank=1 makes rank 1 raise
 where it would contribute to its first check (as out of memory would), leaving the others inside the collective;
 drop:rank=1 makes rank 1's ring sends never leave, as over a dead link; drop_remote:rank=1 only those to another
-node, as over a dead network card.
+node, as over a dead network card; wedge:rank=1 makes rank 1's queries of its own GPU never return, as in a wedged
+driver.
 """
 
 from __future__ import annotations
@@ -191,14 +192,14 @@ def _rank_facts(info: distributed.DistInfo) -> dict:
     return facts
 
 
-def _topology() -> Optional[str]:
+def _topology(timeout_s: float) -> Optional[str]:
     if not shutil.which("nvidia-smi"):
         return None
     try:
-        done = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=timeout_s)
         return re.sub(r"\x1b\[[0-9;]*m", "", done.stdout or done.stderr).rstrip()  # it underlines the header
     except subprocess.TimeoutExpired:
-        return "nvidia-smi topo -m did not answer within 30 s (a wedged driver or GPU?)"
+        return f"nvidia-smi topo -m did not answer within {timeout_s:g} s (a wedged driver or GPU?)"
 
 
 def _per_host(ranks: list[dict]) -> dict[str, dict]:
@@ -314,12 +315,12 @@ class Doctor:
         self.check_counts = (1031, 1 << 22 if cuda else 1 << 16)
         self.report["check_elements"] = list(self.check_counts)
 
-        self._environment()
         # torchrun numbers ranks node by node: rank // local is the node.
         self.local = int(os.environ.get("LOCAL_WORLD_SIZE", self.n))
         self.ring_strides = {"send_recv_ring": 1}
         if self.n > self.local and self.n % self.local == 0:
             self.ring_strides["send_recv_nodes"] = self.local
+        self._environment()
         checks = [("all_reduce", self._all_reduce), ("all_gather", self._all_gather),
                   ("reduce_scatter", self._reduce_scatter), ("broadcast", self._broadcast),
                   *((name, partial(self._ring, stride=stride)) for name, stride in self.ring_strides.items())]
@@ -415,6 +416,9 @@ class Doctor:
         elif links:
             parts.append(f"rank(s) {_ranks(stuck)} are stuck inside it; "
                          + _link_verdict(links, facts, self.info.backend == "nccl"))
+        elif stuck and name == "environment":  # no collective in it: only each rank's own queries
+            parts.append(f"rank(s) {_ranks(stuck)} are stuck gathering their facts: a CUDA query or nvidia-smi "
+                         "that does not answer (a wedged driver or GPU?)")
         elif stuck:
             parts.append(f"rank(s) {_ranks(stuck)} arrived but are stuck inside it: the transport itself hangs "
                          "(see the settings below)")
@@ -450,15 +454,24 @@ class Doctor:
         _exit(1)
 
     def _environment(self) -> None:
-        facts = self._step("environment", lambda: _rank_facts(self.info))
+        # The other ranks go on to the first check and wait in it for rank 0, within one deadline: rank 0 gives
+        # the topology query half of it, inside this step.
+        def body() -> dict:
+            if self.fault == ("wedge", self.rank):
+                threading.Event().wait()
+            return _rank_facts(self.info) | (
+                {"topology": _topology(self.args.deadline_s / 2)} if self.rank == 0 else {})
+
+        facts = self._step("environment", body)
         if self.rank != 0:
             return
+        topology = facts[0].pop("topology", None)
         nccl = torch.cuda.nccl.version() if self.device.type == "cuda" else None
         env = self.report["environment"]
         env.update(torch=torch.__version__, cuda=torch.version.cuda,
                    nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
                    python=platform.python_version(), backend=self.info.backend, world_size=self.n,
-                   ranks=facts, topology=_topology())
+                   ranks=facts, topology=topology)
         env["warnings"] = _environment_warnings(facts)
         render_environment(env, self.out)
 
@@ -789,9 +802,9 @@ def _parse_fault(spec: str) -> Optional[tuple[str, int]]:
     if not spec:
         return None
     kind, _, target = spec.partition(":")
-    if (kind not in ("hang", "wrong", "raise", "drop", "drop_remote") or not target.startswith("rank=")
+    if (kind not in ("hang", "wrong", "raise", "drop", "drop_remote", "wedge") or not target.startswith("rank=")
             or not target[5:].isdigit()):
-        raise SystemExit(f"{FAULT_VAR}={spec!r}: expected hang, wrong, raise, drop or drop_remote, then :rank=N "
+        raise SystemExit(f"{FAULT_VAR}={spec!r}: expected hang, wrong, raise, drop, drop_remote or wedge, then :rank=N "
                          "(e.g. hang:rank=1)")
     return kind, int(target[5:])
 

@@ -21,10 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv_ring"]
 
 
-def run_doctor(*args: str, nproc: int = 0, fault: str = "", timeout: float = 60):
-    """(completed process, seconds) of `python -m fsdp_trainer.doctor`, under torchrun when nproc > 0."""
+def run_doctor(*args: str, nproc: int = 0, fault: str = "", timeout: float = 60, path: str = ""):
+    """(completed process, seconds) of `python -m fsdp_trainer.doctor`, under torchrun when nproc > 0, with `path`
+    searched first for programs."""
     launcher = [*TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
     env = {k: v for k, v in os.environ.items() if k != FAULT_VAR} | {"PYTHONPATH": str(ROOT)}
+    if path:
+        env["PATH"] = f"{path}{os.pathsep}{env['PATH']}"
     if fault:
         env[FAULT_VAR] = fault
     start = time.monotonic()
@@ -117,6 +120,32 @@ def test_two_ranks_healthy_text_report():
     for name in CHECKS:
         assert f"  {name:<16} PASS" in proc.stdout
     assert "1 MiB  reduce_scatter" in proc.stdout and "== result: PASS ==" in proc.stdout
+
+
+def fake_nvidia_smi(folder: Path, script: str) -> str:
+    (folder / "nvidia-smi").write_text(f"#!/bin/sh\n{script}\n")
+    (folder / "nvidia-smi").chmod(0o755)
+    return str(folder)
+
+
+def test_a_slow_topology_query_leaves_the_other_ranks_time(tmp_path):
+    """Rank 0 asks nvidia-smi for the topology while the others wait for it in the first check: a slow
+    nvidia-smi must not use up their deadline."""
+    path = fake_nvidia_smi(tmp_path, "sleep 60")
+    proc, _ = run_doctor("--json", "--sizes", "0", "--deadline-s", "6", nproc=2, path=path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["environment"]["topology"] == "nvidia-smi topo -m did not answer within 3 s (a wedged driver or GPU?)"
+    assert all(check["ok"] for check in report["checks"])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_wedged_in_its_own_gpu_queries_is_named(rank):
+    """Stuck before any collective (a CUDA query or nvidia-smi in a wedged driver): named as such, not as a
+    transport that hangs."""
+    _, check = timed_out_check(f"wedge:rank={rank}", nproc=2)
+    assert check["name"] == "environment" and check["ranks"] == [rank], check
+    assert f"rank(s) {rank} are stuck gathering their facts" in check["error"]
 
 
 @pytest.mark.slow
