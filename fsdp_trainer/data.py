@@ -362,7 +362,9 @@ class StepSampler(Sampler[list[int]]):
 
 
 def build_dataset(cfg: DataConfig, seq_len: int, vocab_size: int) -> Dataset:
-    """The source chosen by cfg, indexed by global sample index; raises ConfigError if it cannot feed the model."""
+    """The source chosen by cfg, indexed by global sample index; its repr describes it for the log. Raises
+    ConfigError, naming the field and a fix, if it cannot feed a model of vocab_size with seq_len samples.
+    Tokenizes the stdlib corpus if not cached."""
     if cfg.source == "synthetic":
         return SyntheticTokens(seq_len, vocab_size, cfg.seed)
     if cfg.source == "stdlib":
@@ -378,12 +380,6 @@ def build_dataset(cfg: DataConfig, seq_len: int, vocab_size: int) -> Dataset:
     stream = load_shards(path, where)
     _check_stream(stream, where, seq_len, vocab_size)
     return TokenWindows(stream, seq_len, cfg.seed, vocab_size, where)
-
-
-def check_source(cfg: DataConfig, seq_len: int, vocab_size: int) -> str:
-    """Check that the data can feed a model of vocab_size with seq_len samples (ConfigError if not, naming the
-    field and a fix); returns a one-line description for the log. Tokenizes the stdlib corpus if not cached."""
-    return repr(build_dataset(cfg, seq_len, vocab_size))
 
 
 def _ignore_stop_signals(worker_id: int) -> None:

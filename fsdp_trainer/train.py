@@ -26,13 +26,13 @@ from typing import NoReturn, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import Dataset
 
 from fsdp_trainer import distributed
 from fsdp_trainer.checkpoint import CheckpointError, Checkpointer, StopSignals
 from fsdp_trainer.config import (Config, ConfigError, check_output_dirs, grads_in_compute_pool, mesh_shape, parse_args,
                                  resolve_param_dtype, to_toml, validate)
-from fsdp_trainer.data import (DataError, build_dataloader, build_dataset, check_source, samples_per_step,
-                               stop_workers)
+from fsdp_trainer.data import DataError, build_dataloader, build_dataset, samples_per_step, stop_workers
 from fsdp_trainer.distributed import logger
 from fsdp_trainer.faults import NonFiniteError, NonFiniteGuard, Watchdog, describe_oom, enable_flight_recorder
 from fsdp_trainer.loss import compiled_cross_entropy, cross_entropy
@@ -112,7 +112,7 @@ def mean_over_ranks(value: torch.Tensor, world_size: int) -> float:
 
 
 def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = None,
-        signals: Optional[StopSignals] = None) -> dict:
+        signals: Optional[StopSignals] = None, dataset: Optional[Dataset] = None) -> dict:
     device = info.device
     dp_replicate, dp_shard = mesh_shape(cfg.parallel, info.world_size)
     output_dir = Path(cfg.train.output_dir)
@@ -136,7 +136,8 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
 
     t = cfg.train
     global_batch = samples_per_step(t.micro_batch_size, t.grad_accum_steps, info.world_size)
-    dataset = build_dataset(cfg.data, t.seq_len, args.vocab_size)
+    if dataset is None:  # main() built it before the process group, to fail fast
+        dataset = build_dataset(cfg.data, t.seq_len, args.vocab_size)
     ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, signals, data=dataset.identity())
     progress = ckpt.restore()
     follow_current_schedule(scheduler, cfg.optim, t.steps)
@@ -279,11 +280,11 @@ def main(argv=None) -> None:
         exit_with_error(str(err), show=rank == 0)
     try:
         check_output_dirs(cfg)
-        data = check_source(cfg.data, cfg.train.seq_len, model_args_from_config(cfg.model).vocab_size)
+        dataset = build_dataset(cfg.data, cfg.train.seq_len, model_args_from_config(cfg.model).vocab_size)
     except ConfigError as err:  # the data may be missing or unreadable on one node only: each node says
         exit_with_error(f"[rank {rank}] {err}", show=int(os.environ.get("LOCAL_RANK", "0")) == 0)
     if rank == 0:
-        print(f"data: {data}", file=sys.stderr)
+        print(f"data: {dataset!r}", file=sys.stderr)
     try:
         memory_plan = fits_or_exit(cfg, world_size, rank)
     except ConfigError as err:
@@ -294,7 +295,7 @@ def main(argv=None) -> None:
         enable_flight_recorder(Path(cfg.train.output_dir))
     info = distributed.init(cfg.dist.init_timeout_s, cpu_collectives=cfg.parallel.cpu_offload)
     try:
-        run(cfg, info, memory_plan, signals)
+        run(cfg, info, memory_plan, signals, dataset)
     except BaseException as err:
         distributed.shutdown(abort=not (isinstance(err, SystemExit) and not err.code))  # exit 0: a clean stop
         if isinstance(err, (CheckpointError, NonFiniteError)):  # raised alike on every rank: one message will do

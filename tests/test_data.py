@@ -15,8 +15,7 @@ import torch
 
 from fsdp_trainer.config import ConfigError, DataConfig
 from fsdp_trainer.data import (BYTE_EOS, DataError, SampleOrder, StepSampler, SyntheticTokens, build_dataloader, build_dataset,
-                               check_source, load_shards, main, prepare, samples_per_step, stdlib_shards, stop_workers,
-                               write_shard)
+                               load_shards, main, prepare, samples_per_step, stdlib_shards, stop_workers, write_shard)
 
 SEQ_LEN = 8
 NUM_SAMPLES = 40
@@ -288,7 +287,7 @@ def real_stdlib_cache(tmp_path_factory) -> str:
 
 def test_real_stdlib_source(real_stdlib_cache):
     cfg = DataConfig(source="stdlib", cache_dir=real_stdlib_cache, num_workers=0)
-    assert "tokens (bytes)" in check_source(cfg, 256, 257)
+    assert "tokens (bytes)" in repr(build_dataset(cfg, 256, 257))
     inputs, _ = next(iter(build_dataloader(build_dataset(cfg, 256, 257), num_workers=0, micro_batch_size=2,
                                            grad_accum_steps=1, dp_rank=0, dp_size=1)))
     assert inputs.max() <= BYTE_EOS
@@ -333,13 +332,13 @@ def corrupt(folder: Path, how: str) -> None:
 def test_broken_shards_are_refused(tmp_path, how, message):
     corrupt(tmp_path, how)
     with pytest.raises(ConfigError, match=f"data.path={tmp_path}.*{message}"):
-        check_source(tokens_cfg(tmp_path), SEQ_LEN, VOCAB)
+        build_dataset(tokens_cfg(tmp_path), SEQ_LEN, VOCAB)
 
 
 def test_setting_errors_name_the_field(tmp_path):
     def error(cfg, seq_len=SEQ_LEN, vocab_size=VOCAB) -> str:
         with pytest.raises(ConfigError) as info:
-            check_source(cfg, seq_len, vocab_size)
+            build_dataset(cfg, seq_len, vocab_size)
         return str(info.value)
 
     assert "data.path is not set" in error(DataConfig(source="tokens"))
@@ -376,7 +375,7 @@ def test_setting_errors_name_the_field(tmp_path):
 
 def test_stdlib_needs_257_tokens(real_stdlib_cache):
     with pytest.raises(ConfigError, match="model.vocab_size=256.*--model.vocab_size 257"):
-        check_source(DataConfig(source="stdlib", cache_dir=real_stdlib_cache), 256, 256)
+        build_dataset(DataConfig(source="stdlib", cache_dir=real_stdlib_cache), 256, 256)
 
 
 def write_bad_token_shards(folder: Path) -> None:
@@ -393,7 +392,7 @@ def write_bad_token_shards(folder: Path) -> None:
 def test_token_ids_past_the_vocabulary_are_refused_when_read(tmp_path, num_workers):
     write_bad_token_shards(tmp_path / "bad")
     cfg = tokens_cfg(tmp_path / "bad", num_workers=num_workers)
-    check_source(cfg, SEQ_LEN, 257)  # a scan of the contents at start-up would take too long on real data
+    build_dataset(cfg, SEQ_LEN, 257)  # a scan of the contents at start-up would take too long on real data
     loader = build_dataloader(build_dataset(cfg, SEQ_LEN, 257), num_workers=num_workers, micro_batch_size=1,
                               grad_accum_steps=1, dp_rank=0, dp_size=1)
     batches = iter(loader)

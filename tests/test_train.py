@@ -19,7 +19,7 @@ from fsdp_trainer.models.llama import build, model_args_from_config
 from fsdp_trainer.config import parse_args
 from fsdp_trainer.optim import build_optimizer, build_scheduler, lr_at
 
-from helpers import run_ranks, tiny_config
+from helpers import TINY_FLAGS, run_ranks, tiny_config
 
 
 def train_and_gather(cfg):
@@ -227,6 +227,22 @@ def test_default_run_trains_and_writes_logs(tmp_path):
     assert 0.5 < step_ms / (1e3 * tokens_per_step / rows[-1]["tokens_per_s_per_gpu"]) <= 1.05
     assert (out / "config.toml").is_file() and (out / "environment.json").is_file()
     assert any((out / "tb").iterdir())
+
+
+def test_main_checks_the_data_before_the_process_group_and_trains_on_what_it_checked(tmp_path, monkeypatch):
+    built = []
+
+    def build_dataset_once(*args):
+        assert not torch.distributed.is_initialized()
+        built.append(build_dataset(*args))
+        return built[-1]
+
+    monkeypatch.setattr(train, "build_dataset", build_dataset_once)
+    monkeypatch.setattr(train, "build_dataloader", lambda dataset, **kw: build_dataloader(dataset, **kw)
+                        if dataset is built[0] else pytest.fail("run() trains on another dataset"))
+    train.main([*TINY_FLAGS, "--data.source", "synthetic", "--train.steps", "2", "--train.output_dir", str(tmp_path),
+                "--checkpoint.interval", "0", "--checkpoint.no_save_final", "--metrics.no_tensorboard"])
+    assert len(built) == 1 and (tmp_path / "metrics.jsonl").is_file()
 
 
 def test_float16_with_loss_scaling_trains_under_fsdp(tmp_path):
