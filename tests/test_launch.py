@@ -198,6 +198,7 @@ def test_k8s_manifest():
         volumes = {v["name"]: v for v in pod["volumes"]}
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+        assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]  # RDMA pins memory
         outputs = volumes[mounts[cmd[cmd.index("--train.output_dir") + 1].rsplit("/", 1)[0]]]
         assert outputs["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
     assert "ReadWriteMany" in pvc["spec"]["accessModes"]
