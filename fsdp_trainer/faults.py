@@ -33,6 +33,8 @@ from fsdp_trainer.distributed import logger
 
 EXIT_HANG = 3
 REPORT = "fsdp_trainer/stalled/{}"
+# What a rank does while its watchdog is paused, as its report says.
+CHECKPOINTING, WRITING_PROFILE = "checkpointing", "writing a profile"
 # Calls whose line, as the innermost frame of a stalled main thread, means it waits for the GPU (which may wait for
 # a peer in a collective) or for a collective of its own. Python cannot see which C call a frame is in.
 _WAITS = (".item()", ".tolist()", "synchronize(", ".wait()")
@@ -78,7 +80,7 @@ class Watchdog:
         self._set_group_timeouts(init_timeout_s)
         self.step, self.timeout = 0, init_timeout_s
         self.last_progress = time.monotonic()
-        self.paused_depth = 0
+        self.paused_for: tuple[str, ...] = ()  # what this rank does meanwhile (replaced whole: read by _watch)
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="fsdp_trainer-watchdog", daemon=True)
         self.thread.start()
@@ -96,30 +98,31 @@ class Watchdog:
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
     @contextmanager
-    def paused(self):
-        """For work that may legitimately take long without steps: checkpoint saves. Meanwhile this rank's report
-        says that it is checkpointing (see _watch)."""
-        self.paused_depth += 1
+    def paused(self, activity: str = CHECKPOINTING):
+        """For work that may legitimately take long without steps: checkpoint saves, writing a profile.
+        Meanwhile this rank's report says what it does (see _watch and report)."""
+        self.paused_for = (*self.paused_for, activity)
         try:
             yield
         finally:
             self.last_progress = time.monotonic()  # first: the watchdog must not see an old one once unpaused
-            self.paused_depth -= 1
+            self.paused_for = self.paused_for[:-1]
 
     def stop(self) -> None:
         self.stopped.set()
 
     def _watch(self) -> None:
         poll = min(5.0, self.timeout_s / 4)
-        published = False
+        published = None
         while not self.stopped.wait(poll):
             # A rank in a save may wait there for a hung peer: it publishes that, and withdraws it afterwards, so
             # that the hung rank's report does not call it dead. From this thread, so that a save pays nothing.
-            checkpointing = bool(self.paused_depth)
-            if checkpointing != published:
-                self._publish_checkpointing(checkpointing)
-                published = checkpointing
-            if self.paused_depth or time.monotonic() - self.last_progress < self.timeout:
+            paused_for = self.paused_for
+            activity = paused_for[-1] if paused_for else None
+            if activity != published:
+                self._publish_activity(activity)
+                published = activity
+            if activity or time.monotonic() - self.last_progress < self.timeout:
                 continue
             state, location = _main_thread_location()
             if state == "busy" and not self._gpu_drains():
@@ -167,17 +170,17 @@ class Watchdog:
         thread.join(timeout=2.0)
         return bool(drained and drained[0])
 
-    def _publish_checkpointing(self, checkpointing: bool) -> None:
-        """Say (or stop saying) in this rank's report that it is in a checkpoint save."""
+    def _publish_activity(self, activity: Optional[str]) -> None:
+        """Say in this rank's report what it does while paused, or with None stop saying it."""
         key = REPORT.format(self.rank)
         try:
-            if checkpointing:
-                self.store.set(key, json.dumps([self.step, "checkpointing", _main_thread_location()[1]]))
+            if activity:
+                self.store.set(key, json.dumps([self.step, activity, _main_thread_location()[1]]))
             else:
                 self.store.delete_key(key)
         except Exception as err:  # noqa: BLE001 - the store lives on rank 0's host; without it, nobody reads this
-            logger.warning(f"rank {self.rank}: the c10d store cannot be reached ({err}); a hang in this save "
-                           "would be reported without this rank")
+            logger.warning(f"rank {self.rank}: the c10d store cannot be reached ({err}); a hang while it is "
+                           f"{activity or 'paused'} would be reported without this rank")
 
     def _unreachable(self, err: BaseException, state: str, location: str) -> str:
         """This rank's own report, for when the others' cannot be read."""
@@ -199,6 +202,8 @@ class Watchdog:
         for r, report in reports.items():
             if report is None:
                 suspects[r] = "sent no report: dead, or its host is unreachable"
+            elif report[1] == WRITING_PROFILE:  # behind, and why: the others wait for it in their next step
+                suspects[r] = f"still writing its profile, at {report[2]}; profile fewer steps (profile.steps)"
             elif report[0] < high:
                 suspects[r] = f"finished step {report[0]} while others finished step {high}"
             elif report[1] == "busy":

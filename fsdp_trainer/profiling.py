@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import bisect
 import json
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from fsdp_trainer.distributed import logger
+from fsdp_trainer.faults import WRITING_PROFILE
 
 # GPU kernel name fragments per category; the first category that matches wins.
 CATEGORIES = {
@@ -135,6 +137,20 @@ class StepProfiler:
             self.profiler.stop()
             self._release()
 
+    def _write(self) -> Path:
+        """Stop recording, write the trace (and the memory snapshot), and return the trace's path."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.profiler.stop()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        first, last = self.range
+        path = self.dir / f"trace_rank{self.rank}_steps{first}-{last}.json"
+        self.profiler.export_chrome_trace(str(path))
+        if self.memory_snapshot:
+            torch.cuda.memory._dump_snapshot(str(self.dir / f"memory_rank{self.rank}_steps{first}-{last}.pickle"))
+        self._release()
+        return path
+
     def _release(self) -> None:
         """Forget the stopped profiler, and stop the allocator's history if it was started for it."""
         self.profiler = None
@@ -154,20 +170,15 @@ class StepProfiler:
         self.profiler = torch.profiler.profile(activities=activities)
         self.profiler.start()
 
-    def after(self, step: int) -> None:
+    def after(self, step: int, paused: Callable[[str], AbstractContextManager]) -> None:
+        """At the window's end: write the trace (and snapshot) and log the breakdown, inside `paused`
+        (Watchdog.paused: writing a long window's trace can take longer than a step timeout)."""
         if self.profiler is None or step != self.range[1]:
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.profiler.stop()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        with paused(WRITING_PROFILE):
+            path = self._write()
+            parts = breakdown(json.loads(path.read_text()))
         first, last = self.range
-        path = self.dir / f"trace_rank{self.rank}_steps{first}-{last}.json"
-        self.profiler.export_chrome_trace(str(path))
-        if self.memory_snapshot:
-            torch.cuda.memory._dump_snapshot(str(self.dir / f"memory_rank{self.rank}_steps{first}-{last}.pickle"))
-        self._release()
-        parts = breakdown(json.loads(path.read_text()))
         steps = last - first + 1
         summary = " | ".join(f"{k} {v / steps:.1f} ms" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
         logger.info(f"profile of steps {first}-{last} written to {path}" +

@@ -178,7 +178,7 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
                 loss, grad_norm = train_step(model, optimizer, scheduler, batches, cfg, scaler, device, guard,
                                              metrics.phases)
                 progress.advance(global_batch, t.seq_len)
-                profiler.after(progress.step)
+                profiler.after(progress.step, watchdog.paused)
                 watchdog.beat(progress.step)
                 collect_garbage(progress.step)
                 if progress.step % t.log_every == 0 or progress.step == t.steps:

@@ -5,7 +5,8 @@
 Faults, at the <step>-th call of train_step on the chosen rank(s): hang, crash, nan (its loss); stall (hangs,
 while the other ranks go on as they do under NCCL, whose steps only queue GPU work: they return at once, and so
 next wait in the stop/save vote or a save); term (SIGTERM to itself as the step begins, as from a scheduler).
-preempt: SIGUSR1 while the model is built, before the first step.
+preempt: SIGUSR1 while the model is built, before the first step. slow_profile: writing the profile's trace takes
+<step> seconds longer.
 """
 
 import os
@@ -54,5 +55,16 @@ def build_model_preempted(*args, **kwargs):
     return real_build_model(*args, **kwargs)
 
 
+real_export = torch.profiler.profile.export_chrome_trace
+
+
+def slow_export(self, path):
+    if chosen:
+        time.sleep(fault_step)
+    return real_export(self, path)
+
+
+if fault == "slow_profile":
+    torch.profiler.profile.export_chrome_trace = slow_export
 train.train_step, train.build_model = faulty_step, build_model_preempted
 train.main(train_flags)

@@ -53,6 +53,19 @@ def test_a_stalled_rank_is_named_by_ranks_that_wait_for_it_in_the_vote_or_a_save
     assert elapsed < ENDS_WITHIN, elapsed
 
 
+def test_writing_a_profile_pauses_the_watchdog_and_a_rank_still_writing_is_named(tmp_path):
+    flags = ["--train.steps", "5", "--dist.timeout_s", "3", "--profile.steps", "3:3", "--checkpoint.interval", "0",
+             "--checkpoint.no_save_final"]
+    proc, _ = launch("slow_profile", "all", 6, tmp_path / "slow", *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "profile of steps 3-3 written to" in proc.stderr
+    proc, elapsed = launch("slow_profile", "1", 3600, tmp_path / "stuck", *flags)
+    assert proc.returncode != 0
+    assert "suspect rank(s): 1 (still writing its profile, at slow_export (fault_worker.py" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert elapsed < ENDS_WITHIN, elapsed
+
+
 def test_a_watchdog_that_cannot_reach_the_store_says_so(tmp_path):
     script = """if True:
         import time
