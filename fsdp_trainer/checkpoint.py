@@ -67,7 +67,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fsdp_trainer.config import Config, ConfigError, checkpoint_root, mesh_shape, to_toml
+from fsdp_trainer.config import Config, ConfigError, checkpoint_root, load_toml, mesh_shape, to_toml
 from fsdp_trainer.data import samples_per_step, write_atomic
 from fsdp_trainer.distributed import DistInfo, logger
 from fsdp_trainer.faults import Watchdog
@@ -316,6 +316,15 @@ def _saved_model_settings(path: Path) -> str:
     except (OSError, ValueError):
         return ""
     return " It was saved with " + " ".join(f"--model.{k} {v}" for k, v in model.items()) + "."
+
+
+def saved_tie_embeddings(path: Path) -> Optional[bool]:
+    """Whether the model saved in `path` tied its embeddings (None: its config cannot be read). The shapes cannot
+    tell: a tied model's state holds its one tensor under both names, an untied model's two tensors."""
+    try:
+        return model_args_from_config(load_toml(Path(path) / CONFIG).model).tie_embeddings
+    except (ConfigError, OSError, ValueError):
+        return None
 
 
 def check_shapes(path: Path, metadata: Metadata, expected: dict[str, tuple[int, ...]], unexpected_prefix: str,
@@ -694,9 +703,13 @@ class Checkpointer:
         self._check_data(path, state)
         metadata = read_metadata(path, ways_past(path))
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        check_shapes(path, metadata, tensor_shapes({"model": model_sd, "optim": optim_sd}), "model.",
-                     "Resume with the model settings it was saved with, or start a new run with --checkpoint.resume "
-                     "none and another --checkpoint.dir.")
+        fix = ("Resume with the model settings it was saved with, or start a new run with --checkpoint.resume none "
+               "and another --checkpoint.dir.")
+        check_shapes(path, metadata, tensor_shapes({"model": model_sd, "optim": optim_sd}), "model.", fix)
+        saved_tie, tie = saved_tie_embeddings(path), model_args_from_config(self.cfg.model).tie_embeddings
+        if saved_tie not in (None, tie):
+            raise CheckpointError(f"checkpoint {path} was saved with model.tie_embeddings {saved_tie}, but this run "
+                                  f"has {tie}: set --model.tie_embeddings {saved_tie}. {fix}")
         # Checkpoints saved before skipped steps were counted in them have no count: none is the best guess.
         progress = Progress(state["step"], state["consumed_samples"], state["tokens_seen"],
                             state.get("skipped_steps", 0))
@@ -707,7 +720,13 @@ class Checkpointer:
             return progress
         start = time.perf_counter()
         rng = self._read(path, metadata, model_sd, optim_sd, state["world_size"])
+        # The checkpoint brings the optimizer's state; its settings (weight decay, betas, eps, fused) are this
+        # run's, which loading the saved param groups would replace. The learning rate is the scheduler's.
+        settings = [{k: v for k, v in group.items() if k not in ("params", "lr")}
+                    for group in self.optimizer.param_groups]
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        for group, own in zip(self.optimizer.param_groups, settings):
+            group.update(own)
         seconds, size = time.perf_counter() - start, _size_bytes(path)
         logger.info(f"loaded {path}: {size / 1e9:.3f} GB in {seconds:.2f} s ({size / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
         self.scheduler.load_state_dict(state["scheduler"])

@@ -436,6 +436,9 @@ def build_dataloader(dataset: Dataset, *, num_workers: int, micro_batch_size: in
             pin_memory=device_type == "cuda",
             persistent_workers=num_workers > 0,
             worker_init_fn=_ignore_stop_signals,
+            # Its own generator for the workers' base seed: drawn from the global one, as by default, it would
+            # shift the training's random stream, which a resume restores exactly, by one draw.
+            generator=torch.Generator(),
             # The trainer resumes from its own consumed-sample count and never reads the loader's snapshots;
             # taking one every step (the default) costs a round trip to every worker per batch.
             snapshot_every_n_steps=2**31,

@@ -40,15 +40,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg, total_steps) / cfg.lr)
 
 
-def follow_current_schedule(scheduler, cfg: OptimConfig, total_steps: int) -> None:
+def follow_current_schedule(scheduler, cfg: OptimConfig) -> None:
     """After a resume: go on from the saved step with this run's optim settings and train.steps.
 
     Loading LambdaLR's state brings back the saved run's base rate, and the optimizer's groups their last rate, so a
     new optim.lr would otherwise apply only as a ratio to the old one, and only from the step after next."""
     scheduler.base_lrs = [cfg.lr] * len(scheduler.base_lrs)
-    lr = lr_at(scheduler.last_epoch, cfg, total_steps)
-    for group in scheduler.optimizer.param_groups:
-        group["lr"] = lr
+    # LambdaLR's own arithmetic (base rate x factor), not lr_at: they can differ in the last bit, and a resumed
+    # run must apply the rates of an uninterrupted one exactly.
+    for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)
 
 
 @torch.no_grad()

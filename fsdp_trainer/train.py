@@ -140,7 +140,7 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
         dataset = build_dataset(cfg.data, t.seq_len, args.vocab_size)
     ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, signals, data=dataset.identity())
     progress = ckpt.restore()
-    follow_current_schedule(scheduler, cfg.optim, t.steps)
+    follow_current_schedule(scheduler, cfg.optim)
     # A skipped step is numbered, and counted toward max_skipped_steps, in the whole run, not since this resume.
     guard = NonFiniteGuard(device, t.on_nonfinite, t.max_skipped_steps, progress.step, progress.skipped_steps,
                            scaler)

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_trainer.checkpoint import (CONFIG, DCP_ERRORS, CheckpointError, check_shapes, dcp_cause, load_dcp,
-                                     read_metadata, resolve, tensor_shapes)
+                                     read_metadata, resolve, saved_tie_embeddings, tensor_shapes)
 from fsdp_trainer.config import Config, load_toml, to_toml
 from fsdp_trainer.distributed import logger
 from fsdp_trainer.models.llama import ModelArgs, model_args_from_config
@@ -249,5 +249,10 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
     fix = "give --checkpoint.init_from an earlier complete checkpoint"
     check_shapes(path, read_metadata(path, fix), tensor_shapes({"model": model_sd}), "model.",
                  "Set the --model.* flags it was saved with.")
+    # A tied checkpoint loads into an untied model as two equal tensors (untying it); the other way round, one of
+    # the saved two would overwrite the other in the model's single tensor.
+    if args.tie_embeddings and saved_tie_embeddings(path) is False:
+        raise CheckpointError(f"checkpoint {path} has untied embeddings (an output projection of its own), but this "
+                              "model ties them and could keep only one of the two: set --model.tie_embeddings False")
     load_dcp({"model": model_sd}, path, group, fix)
     set_model_state_dict(model, model_sd)

@@ -677,6 +677,40 @@ def test_each_way_past_a_corrupt_checkpoint_works(small, tmp_path, capfd):
     assert f"resuming from {step2}" in capfd.readouterr().err and complete_steps(root) == [2, 4, 6]
 
 
+def test_a_resumed_optimizer_takes_this_run_s_settings_and_the_saved_state(small, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(small / "checkpoints", out / "checkpoints")
+    result = train_in_process("--train.output_dir", str(out), "--train.steps", "5", "--checkpoint.async_mode", "none",
+                              "--optim.weight_decay", "0.01", "--optim.betas", "0.8", "0.9", "--optim.eps", "1e-6")
+    decayed, other = result["optimizer"].param_groups
+    assert (decayed["weight_decay"], other["weight_decay"]) == (0.01, 0.0)
+    assert decayed["betas"] == other["betas"] == (0.8, 0.9) and decayed["eps"] == other["eps"] == 1e-6
+    assert all(state["step"] == 5 for state in result["optimizer"].state.values())  # the saved 4, plus this one
+
+
+def test_tied_and_untied_embeddings_never_load_into_each_other_silently(small, tmp_path, capfd):
+    """`small` is untied. Resuming it tied is refused; so is init_from it into a tied model (one of its two tensors
+    would overwrite the other); a tied checkpoint unties into two copies of its one tensor."""
+    out = tmp_path / "resume"
+    shutil.copytree(small / "checkpoints", out / "checkpoints")
+    before = tree(out / "checkpoints")
+    with pytest.raises(SystemExit) as exit_info:
+        main([*TINY, "--train.output_dir", str(out), "--train.steps", "6", "--model.tie_embeddings", "True"])
+    err = capfd.readouterr().err
+    assert exit_info.value.code == 2 and "saved with model.tie_embeddings False, but this run has True" in err, err
+    assert tree(out / "checkpoints") == before
+
+    tied_args = model_args_from_config(parse_args([*TINY, "--model.tie_embeddings", "True"]).model)
+    with one_rank():
+        with pytest.raises(ck.CheckpointError, match="untied embeddings.*set --model.tie_embeddings False"):
+            weights.load_weights(build(tied_args, device="cpu"), str(small / "checkpoints"), tied_args)
+    tied = full_state(train_in_process("--train.steps", "2", "--checkpoint.async_mode", "none", "--train.output_dir",
+                                       str(tmp_path / "tied"), "--model.tie_embeddings", "True")["model"])
+    cfg = parse_args([*TINY, "--train.output_dir", str(tmp_path / "untied")])
+    assert_init_from_gives(cfg, str(tmp_path / "tied" / "checkpoints"), tied)
+    assert torch.equal(tied["output.weight"], tied["tok_embeddings.weight"])
+
+
 def test_resume_with_another_seq_len_is_refused(small, tmp_path, capfd):
     """consumed_samples counts windows of the saved train.seq_len (data.py): another length would read other
     windows, skipping or repeating data. The new run from its weights that the error suggests works."""

@@ -285,6 +285,18 @@ def real_stdlib_cache(tmp_path_factory) -> str:
     return str(cache)
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_starting_the_loader_leaves_the_global_random_stream_alone(num_workers):
+    """A resume restores the random state, then starts the loader: it must not draw from that state."""
+    state = torch.get_rng_state()
+    loader = build_dataloader(build_dataset(DataConfig(source="synthetic"), 16, 32), num_workers=num_workers,
+                              micro_batch_size=2, grad_accum_steps=1, dp_rank=0, dp_size=1)
+    batches = iter(loader)
+    next(batches)
+    assert torch.equal(torch.get_rng_state(), state)
+    stop_workers(batches)
+
+
 def test_real_stdlib_source(real_stdlib_cache):
     cfg = DataConfig(source="stdlib", cache_dir=real_stdlib_cache, num_workers=0)
     assert "tokens (bytes)" in repr(build_dataset(cfg, 256, 257))

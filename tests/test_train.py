@@ -316,8 +316,30 @@ def test_a_resumed_schedule_follows_the_current_lr_and_length():
     optimizer, scheduler, cfg = schedule(3e-3, 20)
     optimizer.load_state_dict(saved[0])
     scheduler.load_state_dict(saved[1])
-    follow_current_schedule(scheduler, cfg, 20)
+    follow_current_schedule(scheduler, cfg)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(4, cfg, 20))
     optimizer.step()
     scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(5, cfg, 20))
+
+
+def test_a_resumed_schedule_applies_the_uninterrupted_rates_bit_for_bit():
+    """At every step of the default schedule: lr_at's rate and LambdaLR's (base rate x lr_at / base rate) differ
+    in the last bit at some steps, and a resumed run must apply the uninterrupted run's."""
+    from fsdp_trainer.optim import follow_current_schedule
+
+    cfg = parse_args([]).optim
+    steps = 1000
+
+    def schedule():
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=cfg.lr)
+        return optimizer, build_scheduler(optimizer, cfg, steps)
+
+    optimizer, scheduler = schedule()
+    resumed_optimizer, resumed = schedule()
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+        resumed.load_state_dict(scheduler.state_dict())
+        follow_current_schedule(resumed, cfg)
+        assert resumed_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"], scheduler.last_epoch
