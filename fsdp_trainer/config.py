@@ -404,10 +404,10 @@ def mesh_shape(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:
     rep, shard = parallel.dp_replicate, parallel.dp_shard
     if rep < 1:
         raise ConfigError(f"parallel.dp_replicate={rep}: must be at least 1")
+    if world_size % rep:
+        raise ConfigError(f"parallel.dp_replicate={rep} does not divide the {world_size} ranks of this job; "
+                          f"use a divisor of {world_size}")
     if shard == -1:
-        if world_size % rep:
-            raise ConfigError(f"parallel.dp_replicate={rep} does not divide the {world_size} ranks of this job; "
-                              f"use a divisor of {world_size}")
         shard = world_size // rep
     if shard < 1:
         raise ConfigError(f"parallel.dp_shard={shard}: must be at least 1, or -1 for all remaining ranks")
@@ -458,8 +458,11 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={args.max_seq_len} of preset "
                           f"'{cfg.model.name}'; lower train.seq_len or raise model.max_seq_len")
     o = cfg.optim
-    if o.lr <= 0 or not 0 <= o.min_lr <= o.lr:
-        raise ConfigError(f"optim.lr={o.lr}, optim.min_lr={o.min_lr}: need 0 <= min_lr <= lr and lr > 0")
+    if o.lr <= 0:
+        raise ConfigError(f"optim.lr={o.lr}: must be > 0")
+    if o.schedule != "constant" and not 0 <= o.min_lr <= o.lr:  # a constant schedule never decays to min_lr
+        raise ConfigError(f"optim.lr={o.lr}, optim.min_lr={o.min_lr}: the {o.schedule} decay needs "
+                          "0 <= min_lr <= lr")
     if o.warmup_steps < 0 or o.grad_clip < 0 or o.weight_decay < 0 or o.eps < 0:
         raise ConfigError(f"optim.warmup_steps={o.warmup_steps}, optim.grad_clip={o.grad_clip}, optim.weight_decay="
                           f"{o.weight_decay}, optim.eps={o.eps}: each must be >= 0")

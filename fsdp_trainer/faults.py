@@ -78,7 +78,7 @@ class Watchdog:
         # default group's: every group gets the same timeouts.
         self.groups = [None, *(mesh.get_group(dim) for dim in range(mesh.ndim))]
         self._set_group_timeouts(init_timeout_s)
-        self.step, self.timeout = 0, init_timeout_s
+        self.step, self.timeout, self.steady = 0, init_timeout_s, False
         self.last_progress = time.monotonic()
         self.paused_for: tuple[str, ...] = ()  # what this rank does meanwhile (replaced whole: read by _watch)
         self.stopped = threading.Event()
@@ -89,8 +89,8 @@ class Watchdog:
         """Record that `step` finished. After the first one, switch to the steady-state timeout and make the
         process group's own timeout a backstop just behind it."""
         self.step, self.last_progress = step, time.monotonic()
-        if self.timeout != self.timeout_s:
-            self.timeout = self.timeout_s
+        if not self.steady:
+            self.steady, self.timeout = True, self.timeout_s
             self._set_group_timeouts(self.timeout_s + 60)
 
     def _set_group_timeouts(self, seconds: float) -> None:
@@ -241,6 +241,9 @@ MIN_LOSS_SCALE = 1.0
 gradients overflow even unscaled."""
 
 
+_NONFINITE_FIXES = "Lower optim.lr, raise optim.warmup_steps, check the data around that step"
+
+
 class NonFiniteGuard:
     """Skips optimizer updates whose global grad norm is not finite, without a host sync on GPU.
 
@@ -281,31 +284,37 @@ class NonFiniteGuard:
         skipped = int(self.skipped.item())
         # stop: any non-finite step since this run started; skip: more than max_skipped in the whole run, which may
         # all predate the resume if the limit was lowered.
-        if skipped > (self.skipped_before if self.mode == "stop" else self.max_skipped):
-            first = int(self.first_bad.item())
-            why = "train.on_nonfinite=stop" if self.mode == "stop" else \
-                f"{skipped} steps skipped > train.max_skipped_steps={self.max_skipped}"
-            where = f"at step {first}" if first >= 0 else "before the checkpoint this run resumed from"
+        if self.mode == "stop" and skipped > self.skipped_before:
             raise NonFiniteError(
-                f"non-finite loss or gradient norm {where} ({why}). No update from a non-finite step was "
-                "applied and no checkpoint was written after it. Lower optim.lr, raise optim.warmup_steps, check "
-                "the data around that step, or set train.on_nonfinite=skip to skip such steps.")
+                f"non-finite loss or gradient norm at step {int(self.first_bad.item())} (train.on_nonfinite=stop). "
+                f"Its update was not applied and no checkpoint was written after it. {_NONFINITE_FIXES}, or set "
+                "train.on_nonfinite=skip to skip such steps.")
+        if self.mode == "skip" and skipped > self.max_skipped:
+            first = int(self.first_bad.item())
+            since = f"the first of this run at step {first}" if first >= 0 else "all before the checkpoint this run resumed from"
+            raise NonFiniteError(
+                f"{skipped} steps with a non-finite loss or gradient norm were skipped ({since}), more than "
+                f"train.max_skipped_steps={self.max_skipped}. None of their updates was applied. {_NONFINITE_FIXES}, "
+                "or raise train.max_skipped_steps.")
         return skipped
 
 
-# What train_step (train.py) calls, by the name of the function it calls; anything else is the model or the loss.
-_STEP_CALLS = {"backward": "backward", "unscale_": "float16 unscaling", "clip_grad_norm": "gradient clipping",
-               "step": "optimizer step", "zero_grad": "zero_grad"}
+# The calls on train_step's (train.py) lines, and the part of the step each is; any other line is the forward.
+_STEP_CALLS = {".backward(": "backward", "unscale_(": "float16 unscaling", "clip_grad_norm(": "gradient clipping",
+               "optimizer.step(": "optimizer step", ".step(optimizer": "optimizer step", "zero_grad(": "zero_grad"}
 
 
 def oom_phase(err: BaseException) -> str:
-    """The part of the training step that raised `err`: the call train_step made (backward, optimizer step...),
+    """The part of the training step that raised `err`, from the line of train_step that made the failing call
+    (whatever wrappers, such as no_grad's or the optimizer's hooks, lie below it): backward, optimizer step...,
     the forward (the model or the loss), or "the training loop" outside train_step."""
-    frames = [f.name for f in traceback.extract_tb(err.__traceback__)]
-    if "train_step" not in frames:
+    frames = traceback.extract_tb(err.__traceback__)
+    step = next((frame for frame in frames if frame.name == "train_step"), None)
+    if step is None:
         return "the training loop"
-    called = frames[frames.index("train_step") + 1:]
-    return _STEP_CALLS.get(called[0], "forward") if called else "the training step"
+    if step is frames[-1]:
+        return "the training step"
+    return next((phase for call, phase in _STEP_CALLS.items() if call in (step.line or "")), "forward")
 
 
 def describe_oom(err: BaseException, rank: int, device: torch.device, planned_bytes: Optional[int],

@@ -73,18 +73,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         # The gradients of the *sum* are kept: with float16 those of the mean would underflow before backward
-        # multiplies in the loss scale.
+        # multiplies in the loss scale. The weight's, a sum over every token, could overflow float16 instead: it
+        # stays float32 until then.
         total = _loss_sum(hidden, weight, labels, chunk_tokens, grad_hidden, grad_weight)
-        if grad_weight is not None:
+        if grad_weight is not None and weight.dtype != torch.float16:
             grad_weight = grad_weight.to(weight.dtype)
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.tokens = labels.numel()
+        ctx.tokens, ctx.weight_dtype = labels.numel(), weight.dtype
         return total / ctx.tokens
 
     @staticmethod
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_output / ctx.tokens
-        # In place: the held gradients become the returned ones, so backward allocates nothing here.
+        # In place: the held gradients become the returned ones, so backward allocates nothing here (but float16's
+        # cast of the weight's).
         return (grad_hidden.mul_(scale) if grad_hidden is not None else None,
-                grad_weight.mul_(scale) if grad_weight is not None else None, None, None)
+                grad_weight.mul_(scale).to(ctx.weight_dtype) if grad_weight is not None else None, None, None)

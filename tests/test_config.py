@@ -73,6 +73,7 @@ def test_mesh_shape(replicate, shard, world, expected):
 @pytest.mark.parametrize("replicate,shard,world,message", [
     (3, -1, 8, "parallel.dp_replicate=3 does not divide the 8 ranks"),
     (2, 2, 8, "2 x 2 = 4, but this job has 8 ranks; set parallel.dp_shard=-1"),
+    (4, 2, 6, "parallel.dp_replicate=4 does not divide the 6 ranks of this job; use a divisor of 6"),
     (0, -1, 8, "parallel.dp_replicate=0: must be at least 1"),
     (1, 0, 8, "parallel.dp_shard=0"),
 ])
@@ -88,7 +89,7 @@ def test_impossible_mesh_is_rejected(replicate, shard, world, message):
     ("train", "micro_batch_size", 0, "train.micro_batch_size=0: must be at least 1"),
     ("model", "name", "9b", "model.name='9b' is not a preset; choose one of debug, 125m"),
     ("model", "n_kv_heads", 3, "model.n_kv_heads=3 must divide model.n_heads=8"),
-    ("optim", "min_lr", 1.0, "need 0 <= min_lr <= lr"),
+    ("optim", "min_lr", 1.0, "the cosine decay needs 0 <= min_lr <= lr"),
     ("parallel", "compile", True, "parallel.compile needs a CUDA GPU"),
     ("parallel", "cpu_offload", True, "parallel.cpu_offload needs a CUDA GPU"),
     ("parallel", "param_dtype", "float16", "parallel.param_dtype=float16 needs a CUDA GPU"),
@@ -122,6 +123,12 @@ def test_invalid_settings_name_field_value_and_fix(section, key, value, message)
     setattr(getattr(cfg, section), key, value)
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(cfg, 1, "cpu")
+
+
+def test_a_constant_schedule_ignores_min_lr():
+    cfg = parse_args(["--optim.lr", "1e-4", "--optim.schedule", "constant"])  # the default min_lr is above 1e-4
+    assert cfg.optim.min_lr > cfg.optim.lr
+    validate(cfg, 1, "cpu")
 
 
 def test_keep_gathered_only_adds_to_the_default_reshard_policy():

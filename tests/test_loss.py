@@ -106,3 +106,19 @@ def test_the_weight_gradient_is_no_less_precise_in_many_chunks():
         return ((grad.double() - exact).norm() / exact.norm()).item()
 
     assert error(64) <= 1.5 * error(4096)
+
+
+def test_float16_weight_gradient_of_many_tokens_does_not_overflow_before_the_loss_scale_divides_it():
+    """Over 8192 tokens of one frequent label the weight's gradient of the summed loss passes float16's 65504,
+    while the scaled gradient of the mean (what backward returns) fits easily."""
+    torch.manual_seed(0)
+    hidden = (torch.randn(8192, 16) * 0.5 + 16).half().requires_grad_()
+    weight = (torch.randn(32, 16) * 0.01).half().requires_grad_()
+    labels = torch.zeros(8192, dtype=torch.long)
+    labels[::4] = 1
+    scale = 1024.0
+    linear_cross_entropy(hidden, weight, labels, 2048).backward(torch.tensor(scale, dtype=torch.float16))
+    reference = weight.detach().float().requires_grad_()
+    (F.cross_entropy(hidden.detach().float() @ reference.t(), labels) * scale).backward()
+    assert weight.grad.dtype == torch.float16
+    torch.testing.assert_close(weight.grad.float(), reference.grad, rtol=2e-3, atol=1e-2)
