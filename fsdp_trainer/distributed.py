@@ -40,13 +40,21 @@ def setup_logging(rank: int) -> None:
     logger.propagate = False
 
 
+def launched_rank_and_world_size() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) as a launcher set them, or (0, 1) without one (no RANK): a WORLD_SIZE left in the
+    environment by something else would otherwise size a job of one process."""
+    if "RANK" not in os.environ:
+        return 0, 1
+    return int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", 1))
+
+
 def init(timeout_s: float = 600.0, cpu_collectives: bool = False) -> DistInfo:
     """Start (or join) the default process group: NCCL with one GPU per rank, else gloo on CPU.
 
     `cpu_collectives` adds gloo for CPU tensors beside NCCL (FSDP's CPU offload keeps the gradients in host memory,
     and the global gradient norm is all-reduced there)."""
     under_launcher = "RANK" in os.environ
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world_size = launched_rank_and_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     # Without a launcher: a one-rank group whose store binds port 0, a free port of the kernel's choosing that no
     # other process can take first. Passed directly rather than through os.environ, so that processes this one

@@ -266,7 +266,7 @@ def append_row(path: Optional[Path], row: dict) -> None:
 
 @record  # torchrun's error file, and so its failure summary, gets the failing rank's real traceback
 def main(argv=None) -> None:
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    rank, world_size = distributed.launched_rank_and_world_size()
     # First: a preemption's signal during start-up (rendezvous, restore, compilation) must not kill the rank, or
     # torchrun counts a failure and Slurm does not requeue. The Checkpointer acts on it.
     signals = StopSignals(rank)

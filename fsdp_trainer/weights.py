@@ -163,7 +163,12 @@ def _hf_tensor_files(folder: Path) -> dict[str, Path]:
     """HF tensor name -> the .safetensors file holding it (one file, or shards listed by an index)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        return {name: folder / file for name, file in _read_hf_json(index, "weight_map").items()}
+        files = {name: folder / file for name, file in _read_hf_json(index, "weight_map").items()}
+        missing = sorted({path.name for path in files.values() if not path.is_file()})
+        if missing:
+            raise CheckpointError(f"hf:{folder}: {', '.join(missing)}, listed in {index.name}, "
+                                  f"{'is' if len(missing) == 1 else 'are'} missing; download the model again")
+        return files
     single = folder / "model.safetensors"
     if not single.is_file():
         raise CheckpointError(f"hf:{folder}: has neither model.safetensors nor model.safetensors.index.json")

@@ -356,8 +356,12 @@ def assert_sharded_hf_folders_load_and_a_missing_lm_head_is_named(tmp_path, cfg,
         weight_map.update({name: f"model-{index}-of-2.safetensors" for name in part})
     (split / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     assert_init_from_gives(cfg, f"hf:{split}", trained)
-    save_file({name: t for name, t in tensors.items() if name != "lm_head.weight"}, headless / "model.safetensors")
+    (split / "model-2-of-2.safetensors").rename(tmp_path / "elsewhere")
     args = model_args_from_config(cfg.model)
+    with pytest.raises(ck.CheckpointError, match="model-2-of-2.safetensors, listed in model.safetensors.index.json, "
+                                                 "is missing; download the model again"):
+        weights.load_weights(build(args, device="cpu"), f"hf:{split}", args)
+    save_file({name: t for name, t in tensors.items() if name != "lm_head.weight"}, headless / "model.safetensors")
     with pytest.raises(ck.CheckpointError, match="lm_head.weight is missing"):
         weights.load_weights(build(args, device="cpu"), f"hf:{headless}", args)
 

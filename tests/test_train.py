@@ -245,6 +245,14 @@ def test_main_checks_the_data_before_the_process_group_and_trains_on_what_it_che
     assert len(built) == 1 and (tmp_path / "metrics.jsonl").is_file()
 
 
+def test_without_a_launcher_a_stray_world_size_is_ignored(tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # left by another tool: without RANK no launcher set it
+    train.main([*TINY_FLAGS, "--data.source", "synthetic", "--train.steps", "1", "--train.output_dir", str(tmp_path),
+                "--checkpoint.interval", "0", "--checkpoint.no_save_final", "--metrics.no_tensorboard"])
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 1
+
+
 def test_float16_with_loss_scaling_trains_under_fsdp(tmp_path):
     """The float16 path (GPUs without bf16): torch.amp's scaler on FSDP2's DTensor gradients, over real ranks.
     The CLI allows float16 only on CUDA; run() itself works on CPU, which is what this checks."""
