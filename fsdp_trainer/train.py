@@ -287,8 +287,8 @@ def main(argv=None) -> None:
         print(f"data: {dataset!r}", file=sys.stderr)
     try:
         memory_plan = fits_or_exit(cfg, world_size, rank)
-    except ConfigError as err:
-        exit_with_error(str(err), show=rank == 0)
+    except ConfigError as err:  # each node plans for its own GPUs: each node says
+        exit_with_error(f"[rank {rank}] {err}", show=int(os.environ.get("LOCAL_RANK", "0")) == 0)
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
     if cfg.dist.flight_recorder and torch.cuda.is_available():
@@ -322,12 +322,12 @@ def fits_or_exit(cfg: Config, world_size: int, rank: int) -> Optional[Plan]:
         return None
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
     memory_plan = check_fits(cfg, world_size, torch.cuda.get_device_properties(local_rank).total_memory)
-    if rank == 0:
-        print(memory_plan.summary_line(), file=sys.stderr)
     if not memory_plan.fits and not cfg.memory.ignore_plan:
-        raise ConfigError("the memory plan says this run does not fit (see above); apply a suggested change, or "
+        raise ConfigError(f"{memory_plan.summary_line()}. Apply a suggested change, or "
                           "pass --memory.ignore_plan to start anyway. Details: python -m fsdp_trainer.plan "
                           "with the same flags")
+    if rank == 0:
+        print(memory_plan.summary_line(), file=sys.stderr)
     return memory_plan
 
 

@@ -124,7 +124,8 @@ def _train_cli(tmp_path, *flags):
 def test_a_run_the_plan_rejects_stops_before_allocating(tmp_path):
     proc = _train_cli(tmp_path, "--model.name", "70b", "--train.seq_len", "8192", "--train.micro_batch_size", "1")
     assert proc.returncode == 2
-    assert "DOES NOT FIT" in proc.stderr and "--memory.ignore_plan" in proc.stderr
+    assert proc.stderr.count("DOES NOT FIT") == 1 and "--memory.ignore_plan" in proc.stderr
+    assert "error: [rank 0] memory plan: " in proc.stderr
 
 
 def test_cuda_oom_names_rank_phase_and_plan(tmp_path):

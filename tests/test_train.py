@@ -7,6 +7,8 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +22,8 @@ from fsdp_trainer.config import parse_args
 from fsdp_trainer.optim import build_optimizer, build_scheduler, lr_at
 
 from helpers import TINY_FLAGS, run_ranks, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def train_and_gather(cfg):
@@ -251,6 +255,24 @@ def test_without_a_launcher_a_stray_world_size_is_ignored(tmp_path, monkeypatch)
     train.main([*TINY_FLAGS, "--data.source", "synthetic", "--train.steps", "1", "--train.output_dir", str(tmp_path),
                 "--checkpoint.interval", "0", "--checkpoint.no_save_final", "--metrics.no_tensorboard"])
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 1
+
+
+def test_a_run_the_plan_rejects_is_refused_on_every_node_before_the_process_group(tmp_path, monkeypatch, capsys):
+    """Each node plans for its own GPUs (a cluster may mix card sizes), so each node's first rank says why; here
+    as rank 9, the first of its node, told that its 24 GB GPU cannot hold an 8B model on 16 GPUs."""
+    monkeypatch.setenv("RANK", "9")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=24 * 10**9))
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("group started"))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--config", str(ROOT / "configs/llama3_8b.toml"), "--data.source", "synthetic",
+                    "--train.output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("DOES NOT FIT") == 1, err
+    assert "error: [rank 9] memory plan: 8.03B params on 16 GPUs" in err and "--memory.ignore_plan" in err
 
 
 def test_float16_with_loss_scaling_trains_under_fsdp(tmp_path):
