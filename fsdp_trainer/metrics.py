@@ -14,15 +14,16 @@ import torch
 from fsdp_trainer.distributed import logger
 
 # Dense bf16 (fp16 for pre-Ampere cards) tensor-core peak with float32 accumulation, as training runs, FLOP/s, by the
-# vendors' datasheets (GeForce cards accumulate in float32 at half their headline rate).
+# vendors' datasheets (GeForce cards accumulate in float32 at half their float16-accumulate headline rate: the 4090's
+# 165 here, not 330; its 82.6 is the CUDA cores' float32 rate, not the tensor cores').
 # Matched as whole words of torch.cuda.get_device_name() ("A40" is not "RTX A4000"); the first match wins, so
 # specific names come before their families.
 PEAK_FLOPS = [
     ("GH200", 989e12), ("H200 NVL", 835e12), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
-    ("H800", 989e12), ("H20", 148e12), ("B200", 2250e12), ("B100", 1750e12),
+    ("H800 PCIe", 756e12), ("H800", 989e12), ("H20", 148e12), ("B200", 2250e12), ("B100", 1750e12),
     ("A100", 312e12), ("A800", 312e12), ("A10G", 70e12), ("A10", 125e12), ("A6000", 155e12), ("A40", 150e12),
-    ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("RTX 6000 Ada", 364e12), ("4090", 82.6e12),
-    ("3090", 35.6e12), ("V100", 125e12), ("T4", 65e12),
+    ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("RTX 6000 Ada", 364e12), ("4090", 165e12),
+    ("3090", 71e12), ("V100", 125e12), ("T4", 65e12),
 ]
 
 GiB = 1024 ** 3
