@@ -451,6 +451,10 @@ class Doctor:
             self.report["checks"].append({"name": "init", "ok": False, "timed_out": what.startswith("took"),
                                           "error": message})
             self._emit(1)
+        else:
+            # Rank 0 writes the report. Exiting now would have torchrun stop it first wherever rank 0 started
+            # later than this rank (a slower import, another node), so its deadline would come after ours.
+            time.sleep(min(self.args.deadline_s, 30))
         _exit(1)
 
     def _environment(self) -> None:

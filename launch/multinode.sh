@@ -22,8 +22,10 @@
 # Stopping: SIGUSR1 or SIGTERM to the training processes (torchrun's children) saves a checkpoint and exits 0 on
 # every node; one node is enough, the ranks agree. Not to torchrun itself: it dies on SIGUSR1, and on SIGTERM it
 # signals each rank's whole process group, then SIGKILLs the ranks 30 s later, so a longer save is lost. Under a
-# supervisor that stops with SIGTERM (docker stop, systemd), start it as
-# `bash launch/relay_signals.sh bash launch/multinode.sh ...`: the relay passes the signal to the ranks.
+# supervisor that stops with SIGTERM (docker stop), start it as
+# `bash launch/relay_signals.sh bash launch/multinode.sh ...`: the relay passes the signal to the ranks. Under
+# systemd, also set KillMode=mixed and TimeoutStopSec longer than a save: its default (control-group) sends SIGTERM
+# to every process of the unit at once, torchrun included, and the ranks take the second signal as "exit now".
 # Firewalls: the nodes need the HEAD port and NCCL's own ports (or NCCL_SOCKET_IFNAME on the right interface).
 set -euo pipefail
 

@@ -21,11 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv_ring"]
 
 
-def run_doctor(*args: str, nproc: int = 0, fault: str = "", timeout: float = 60, path: str = ""):
+def run_doctor(*args: str, nproc: int = 0, fault: str = "", timeout: float = 60, path: str = "",
+               pythonpath: str = ""):
     """(completed process, seconds) of `python -m fsdp_trainer.doctor`, under torchrun when nproc > 0, with `path`
-    searched first for programs."""
+    searched first for programs and `pythonpath` for modules."""
     launcher = [*TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
-    env = {k: v for k, v in os.environ.items() if k != FAULT_VAR} | {"PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k != FAULT_VAR} | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, str(ROOT)]))}
     if path:
         env["PATH"] = f"{path}{os.pathsep}{env['PATH']}"
     if fault:
@@ -146,6 +148,22 @@ def test_a_rank_wedged_in_its_own_gpu_queries_is_named(rank):
     _, check = timed_out_check(f"wedge:rank={rank}", nproc=2)
     assert check["name"] == "environment" and check["ranks"] == [rank], check
     assert f"rank(s) {rank} are stuck gathering their facts" in check["error"]
+
+
+def test_a_rank_that_never_joins_is_reported_by_rank_0_even_if_rank_0_started_late(tmp_path):
+    """Without a group there is no store to wait on: the other ranks must not exit (and have torchrun stop rank 0)
+    before rank 0, whose deadline comes later when it started later, has written the report."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, threading, time\n"
+        "if os.environ.get('RANK') == '0':\n"
+        "    time.sleep(2)  # a slower start, as from a shared filesystem\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import fsdp_trainer.distributed as distributed\n"
+        "    distributed.init = lambda **kwargs: threading.Event().wait()  # never joins\n")
+    proc, _ = run_doctor("--json", "--deadline-s", "4", nproc=2, pythonpath=str(tmp_path))
+    assert proc.returncode == 1
+    (check,) = json.loads(proc.stdout)["checks"]
+    assert check["name"] == "init" and check["timed_out"] and "took over 4 s" in check["error"], check
 
 
 @pytest.mark.slow
