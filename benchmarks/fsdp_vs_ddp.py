@@ -21,7 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_trainer import distributed, train
-from fsdp_trainer.config import parse_args, resolve_param_dtype
+from fsdp_trainer.config import mesh_shape, parse_args, resolve_param_dtype
 from fsdp_trainer.data import build_dataloader, build_dataset, samples_per_step
 from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler
@@ -38,7 +38,8 @@ def prepare(mode: str, cfg, info: distributed.DistInfo):
     """(model, model args, the autocast its steps run under) for one side, set up alike."""
     device = info.device
     if mode == "fsdp":
-        model, args = train.build_model(cfg, distributed.build_mesh(device.type, 1, info.world_size), device)
+        mesh = distributed.build_mesh(device.type, *mesh_shape(cfg.parallel, info.world_size))
+        model, args = train.build_model(cfg, mesh, device)
         return model, args, contextlib.nullcontext()
     args = model_args_from_config(cfg.model)
     model = build(args, device=device)
@@ -49,6 +50,8 @@ def prepare(mode: str, cfg, info: distributed.DistInfo):
     model.init_weights(cfg.train.seed)
     model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                     gradient_as_bucket_view=True)
+    # The training step's switch for parallel.defer_grad_sync, as FSDP2 names it; DDP's no_sync() flips this flag.
+    model.set_requires_gradient_sync = lambda sync: setattr(model, "require_backward_grad_sync", sync)
     dtype = DTYPES[resolve_param_dtype(cfg.parallel.param_dtype, device.type)]
     return model, args, torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
@@ -99,14 +102,17 @@ def main() -> None:
         parser.error("--steps must be more than --warmup")
     if args.worker:
         return worker(args.worker, args.config, args.steps, args.warmup, args.extra)
+    if parse_args(["--config", args.config, *args.extra]).memory.limit_gib is not None:
+        parser.error("--memory.limit_gib is not applied here: both sides run with the whole GPU")
 
     rows = []
     for mode in ("fsdp", "ddp"):
         proc = run([*torchrun(args.nproc), __file__, "--worker", mode, "--config", args.config, "--steps",
                     str(args.steps), "--warmup", str(args.warmup), "--", *args.extra])
         rows.append(report(proc.stdout) or {"mode": mode, "error": error_line(proc)})
+        write_results("fsdp_vs_ddp", rows, gpus=args.nproc, plot=("tokens_per_s_per_gpu", "tokens/s/GPU"),
+                      label="mode")
     print_table(rows, COLUMNS)
-    write_results("fsdp_vs_ddp", rows, gpus=args.nproc, plot=("tokens_per_s_per_gpu", "tokens/s/GPU"), label="mode")
     exit_if_failed(rows)
 
 

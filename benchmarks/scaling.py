@@ -32,20 +32,21 @@ def main() -> None:
     counts = sorted({n for n in args.gpus if not available or n <= available})
     if not counts:
         raise SystemExit(f"no count in --gpus fits the {available} GPUs here")
-    rows = []
+    rows, base = [], None
     with tempfile.TemporaryDirectory() as tmp:
         for n in counts:
             args.nproc = n
-            rows.append({"gpus": n, **run_variant(f"{n} GPU", {}, [], args, Path(tmp))})
-    base = next((r for r in rows if "tokens_per_s_per_gpu" in r), None)
-    for r in rows:
-        if base and "tokens_per_s_per_gpu" in r:
-            r["efficiency"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+            row = {"gpus": n, **run_variant(f"{n} GPU", {}, [], args, Path(tmp))}
+            if "tokens_per_s_per_gpu" in row:
+                base = base or row
+                row["efficiency"] = row["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+            rows.append(row)
+            # After every run: a sweep cut off by a time limit keeps what it measured.
+            write_results(f"scaling_{Path(args.config).stem}", rows, gpus=max(counts),
+                          plot=("tokens_per_s_per_gpu", "tokens/s/GPU"))
     print_table(rows, [VARIANT, ("efficiency", "efficiency", "{:.1%}"), *COLUMNS])
     if base:
         print(f"efficiency: per-GPU throughput against {base['variant']}")
-    write_results(f"scaling_{Path(args.config).stem}", rows, gpus=max(counts),
-                  plot=("tokens_per_s_per_gpu", "tokens/s/GPU"))
     exit_if_failed(rows)
 
 

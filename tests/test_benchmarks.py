@@ -176,8 +176,10 @@ def test_ddp_gets_the_configs_ac_compile_and_compute_dtype(monkeypatch):
 
 
 def test_fsdp_and_ddp_train_alike_on_two_cpu_ranks(tmp_path):
+    """Also with gradient sync deferred to the last micro-batch, which DDP does as no_sync()."""
     proc = run_script("fsdp_vs_ddp.py", "--config", "configs/debug.toml", "--nproc", "2", "--steps", "3",
-                      "--warmup", "1", "--", *SMALL, "--ac.mode", "full", results_dir=tmp_path)
+                      "--warmup", "1", "--", *SMALL, "--ac.mode", "full", "--train.grad_accum_steps", "2",
+                      "--parallel.defer_grad_sync", results_dir=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     fsdp, ddp = written(tmp_path, "fsdp_vs_ddp")["rows"]
     assert (fsdp["mode"], ddp["mode"]) == ("fsdp", "ddp")
