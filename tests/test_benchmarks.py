@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from kernels import kernel_totals  # noqa: E402
+from kernels import kernel_totals, steps_in  # noqa: E402
 from throughput import parse_variant  # noqa: E402
 
 # The debug model cut down so that a run of a few steps on CPU ranks takes seconds.
@@ -42,6 +42,12 @@ def test_kernel_totals_group_calls_by_category_and_name():
     assert totals["matmul"] == {"nvjet_sm90_tst_256x128": [100, 300]}
     assert list(totals["other"]) == ["triton_poi_fused__scaled_dot_product_cudnn_attention_mul"]
     assert "attention" not in totals
+
+
+def test_kernel_tables_are_per_step_of_the_trace_s_own_window():
+    assert steps_in(Path("profile/trace_rank0_steps12-13.json"), None) == 2
+    assert steps_in(Path("profile/trace_rank0_steps12-13.json"), 4) == 4  # --steps wins
+    assert steps_in(Path("renamed.json"), None) == 1
 
 
 def test_plan_accuracy_runs_each_row_through_the_throughput_runner(monkeypatch, tmp_path, capsys):
