@@ -4,7 +4,8 @@
     torchrun --nproc_per_node=8 -m fsdp_trainer.doctor              # one node, every GPU
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD:29500 \\
         -m fsdp_trainer.doctor                                      # two nodes: run this on each
-    torchrun --nproc_per_node=8 -m fsdp_trainer.doctor --json > doctor.json   # the text report goes to stderr
+    torchrun --nproc_per_node=8 -m fsdp_trainer.doctor --json > doctor.json   # the text report goes to stderr;
+                                                                    # the JSON is the file's last JSON line
     python -m fsdp_trainer.doctor --try-fixes --nproc 8             # a check failed: find the setting that fixes it
     NCCL_DEBUG=INFO torchrun --nproc_per_node=8 -m fsdp_trainer.doctor --sizes 0   # which transport NCCL picked
 
@@ -739,6 +740,18 @@ def _candidates(nccl: bool) -> list[tuple[str, str]]:
     return [(k, v) for k, v in candidates if os.environ.get(k) != v]  # a setting in force already failed
 
 
+def last_report(stdout: str) -> Optional[dict]:
+    """The --json report in a run's stdout: its last JSON line. Not simply the last line: NCCL_DEBUG writes to
+    stdout too (unless NCCL_DEBUG_FILE is set), and other ranks may print after rank 0's report."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
 def try_fixes(args: DoctorArgs) -> int:
     """Run the doctor as fresh local groups: unchanged, then with each candidate setting until one passes."""
     if "RANK" in os.environ:
@@ -764,11 +777,11 @@ def try_fixes(args: DoctorArgs) -> int:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
-        try:
-            return json.loads(stdout.strip().splitlines()[-1]), ""
-        except (IndexError, json.JSONDecodeError):  # it crashed: show its last error rather than torchrun's summary
+        report = last_report(stdout)
+        if report is None:  # it crashed: show its last error rather than torchrun's summary
             lines = [line for line in stderr.splitlines() if "Error" in line] or stderr.splitlines() or ["(none)"]
             return None, "no report; its last error: " + lines[-1].strip()
+        return report, ""
 
     def summary(report: Optional[dict], why: str) -> str:
         if report is None:

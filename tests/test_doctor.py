@@ -55,6 +55,14 @@ def test_sizes_and_bus_bandwidth_factors():
     assert bus_factor("all_gather", 4) == bus_factor("reduce_scatter", 4) == 3 / 4
 
 
+def test_the_report_is_found_among_other_output():
+    report = {"ok": True, "checks": []}
+    stdout = "\n".join(["node1:12:12 [0] NCCL INFO Bootstrap : Using eth0", json.dumps(report),
+                        "node1:13:13 [1] NCCL INFO comm 0x1 rank 1 nRanks 2 - Destroy COMPLETE", "{not json"])
+    assert doctor.last_report(stdout) == report
+    assert doctor.last_report("Traceback (most recent call last):") is None
+
+
 def test_try_fixes_offers_no_loopback_or_bridge(monkeypatch):
     # They pass on one node, so the fix found would break the first run across nodes.
     names = ["lo", "eno1", "docker0", "veth3a1f", "virbr0", "br-5e2c1a", "cni0", "ib0"]
