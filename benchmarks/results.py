@@ -39,11 +39,14 @@ def recorded_env() -> dict[str, str]:
             if k.startswith(RECORDED_ENV_PREFIXES) or k in RECORDED_ENV}
 
 
-def git_revision() -> Optional[str]:
-    """The commit these scripts ran from; None outside a git checkout (a copied tree, an unpacked archive)."""
+def git_revision(checkout: Path = Path(__file__).parent) -> Optional[str]:
+    """The commit these scripts ran from, with "-modified" when tracked files differ from it (the code that ran is
+    then not that commit's); None outside a git checkout (a copied tree, an unpacked archive)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=checkout, text=True, capture_output=True,
+                              check=True).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, text=True,
-                              capture_output=True, check=True).stdout.strip()
+        return git("rev-parse", "HEAD") + ("-modified" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return None
 

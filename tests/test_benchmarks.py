@@ -90,9 +90,27 @@ def test_write_results_records_the_run_gpus_environment_commit_and_a_command_tha
     assert data["environment"]["NCCL_ALGO"] == "Ring" and "OMP_NUM_THREADS" not in data["environment"]
     assert shlex.split(data["command"]) == [f"{k}={v}" for k, v in data["environment"].items()] + [sys.executable,
                                                                                                      *argv]
-    assert data["git"] is None or len(data["git"]) == 40
+    assert data["git"] == results.git_revision()
     monkeypatch.setenv("GIT_DIR", str(tmp_path))  # not a repository: the revision is unknown, not an error
     assert json.loads(results.write_results("t", [], gpus=1).read_text())["git"] is None
+
+
+def test_the_recorded_commit_says_when_the_code_that_ran_differs_from_it(tmp_path):
+    from results import git_revision
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "a")
+    (tmp_path / "untracked.json").write_text("{}")  # results written beside the code change nothing
+    clean = git_revision(tmp_path)
+    assert len(clean) == 40
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_revision(tmp_path) == clean + "-modified"
 
 
 def test_error_line_is_the_childs_error_not_torchruns_summary():
