@@ -496,6 +496,9 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
                           f"{cfg.checkpoint.write_threads}: both must be >= 1")
     if cfg.checkpoint.interval < 0 or cfg.checkpoint.interval_minutes < 0:
         raise ConfigError("checkpoint.interval and checkpoint.interval_minutes must be >= 0 (0 turns them off)")
+    if cfg.profile.memory_snapshot and not cfg.profile.steps:
+        raise ConfigError("profile.memory_snapshot records the steps of profile.steps, which is not set; add "
+                          "--profile.steps a:b (e.g. 10:12)")
     if cfg.profile.steps:
         from fsdp_trainer.profiling import parse_steps
         try:
@@ -509,7 +512,9 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
         gpu_only = {"parallel.param_dtype=float16": cfg.parallel.param_dtype == "float16",
                     "parallel.cpu_offload": cfg.parallel.cpu_offload,
                     "parallel.compile": cfg.parallel.compile,
-                    "memory.limit_gib": cfg.memory.limit_gib is not None}
+                    "memory.limit_gib": cfg.memory.limit_gib is not None,
+                    "memory.oom_snapshot": cfg.memory.oom_snapshot,
+                    "profile.memory_snapshot": cfg.profile.memory_snapshot}
         for name, is_set in gpu_only.items():
             if is_set:
                 raise ConfigError(f"{name} needs a CUDA GPU, and this job runs on CPU; remove it "

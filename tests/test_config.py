@@ -94,6 +94,8 @@ def test_impossible_mesh_is_rejected(replicate, shard, world, message):
     ("parallel", "cpu_offload", True, "parallel.cpu_offload needs a CUDA GPU"),
     ("parallel", "param_dtype", "float16", "parallel.param_dtype=float16 needs a CUDA GPU"),
     ("memory", "limit_gib", 40.0, "memory.limit_gib needs a CUDA GPU"),
+    ("memory", "oom_snapshot", True, "memory.oom_snapshot needs a CUDA GPU"),
+    ("profile", "memory_snapshot", True, "profile.memory_snapshot records the steps of profile.steps, which is not"),
     ("parallel", "prefetch", 0, "parallel.prefetch=0: must be at least 1"),
     ("train", "loss_chunk_tokens", -1, "train.loss_chunk_tokens=-1: must be >= 0"),
     ("train", "gc_every", -1, "train.gc_every=-1: must be >= 0"),
