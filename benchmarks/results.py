@@ -46,7 +46,9 @@ def git_revision(checkout: Path = Path(__file__).parent) -> Optional[str]:
         return subprocess.run(["git", *args], cwd=checkout, text=True, capture_output=True,
                               check=True).stdout.strip()
     try:
-        return git("rev-parse", "HEAD") + ("-modified" if git("status", "--porcelain", "--untracked-files=no") else "")
+        # Results files are tracked too, and a sweep rewrites its own after every row: they do not count.
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ":/", ":(top,exclude)benchmarks/results")
+        return git("rev-parse", "HEAD") + ("-modified" if changed else "")
     except (OSError, subprocess.CalledProcessError):
         return None
 

@@ -302,12 +302,15 @@ class Doctor:
             raise SystemExit(f"--sizes {args.sizes!r}: expected e.g. 1K..1G, 64M or 0") from None
 
     def run(self) -> int:
+        failure = None
         with _watchdog(self.args.deadline_s, lambda: self._init_failed(f"took over {self.args.deadline_s:g} s")):
             try:
                 # The group's own timeout is longer than ours, so that our deadline fires first and names the ranks.
                 self.info = distributed.init(timeout_s=self.args.deadline_s + 30)
             except Exception as e:  # e.g. NCCL cannot use the interface it was given
-                self._init_failed(f"failed: {type(e).__name__}: {' '.join(str(e).split())}")
+                failure = f"failed: {type(e).__name__}: {' '.join(str(e).split())}"
+        if failure:  # outside the deadline's timer, which would report a second time while this one waits
+            self._init_failed(failure)
         self.rank, self.n, self.device = self.info.rank, self.info.world_size, self.info.device
         self.store = dist.distributed_c10d._get_default_store()
         self.report["environment"]["backend"] = self.info.backend  # for the hints, should the next step hang

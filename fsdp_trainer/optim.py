@@ -41,7 +41,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
 
 
 def follow_current_schedule(scheduler, cfg: OptimConfig) -> None:
-    """After a resume: go on from the saved step with this run's optim settings and train.steps.
+    """After a resume: go on from the saved step with this run's optim settings and train.steps (the scheduler's
+    factor was built from this run's config and step count; loading its state keeps that function).
 
     Loading LambdaLR's state brings back the saved run's base rate, and the optimizer's groups their last rate, so a
     new optim.lr would otherwise apply only as a ratio to the old one, and only from the step after next."""

@@ -138,10 +138,7 @@ class StepProfiler:
             self._release()
 
     def _write(self) -> Path:
-        """Stop recording, write the trace (and the memory snapshot), and return the trace's path."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.profiler.stop()
+        """Write the stopped recording's trace (and the memory snapshot), and return the trace's path."""
         self.dir.mkdir(parents=True, exist_ok=True)
         first, last = self.range
         path = self.dir / f"trace_rank{self.rank}_steps{first}-{last}.json"
@@ -175,6 +172,11 @@ class StepProfiler:
         (Watchdog.paused: writing a long window's trace can take longer than a step timeout)."""
         if self.profiler is None or step != self.range[1]:
             return
+        # The sync waits for the profiled steps' collectives: outside the pause, so that a peer hung in them is
+        # still caught by this rank's watchdog, and this rank is not the one reported as writing.
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.profiler.stop()
         with paused(WRITING_PROFILE):
             path = self._write()
             parts = breakdown(json.loads(path.read_text()))

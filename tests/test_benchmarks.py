@@ -104,13 +104,17 @@ def test_the_recorded_commit_says_when_the_code_that_ran_differs_from_it(tmp_pat
 
     git("init", "-q")
     (tmp_path / "a.py").write_text("x = 1\n")
-    git("add", "a.py")
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "sweep.json").write_text("{}")
+    git("add", "a.py", "benchmarks")
     git("commit", "-qm", "a")
-    (tmp_path / "untracked.json").write_text("{}")  # results written beside the code change nothing
-    clean = git_revision(tmp_path)
+    (tmp_path / "untracked.json").write_text("{}")
+    (results / "sweep.json").write_text('{"rows": []}')  # a sweep rewriting its committed results
+    clean = git_revision(tmp_path / "benchmarks")
     assert len(clean) == 40
     (tmp_path / "a.py").write_text("x = 2\n")
-    assert git_revision(tmp_path) == clean + "-modified"
+    assert git_revision(tmp_path / "benchmarks") == clean + "-modified"
 
 
 def test_error_line_is_the_childs_error_not_torchruns_summary():
