@@ -196,7 +196,12 @@ class Watchdog:
         reports = {}
         for r in range(self.world_size):
             key = REPORT.format(r)
-            reports[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+            try:
+                reports[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+            except dist.DistStoreError:
+                if self.store.check([key]):  # the store itself fails
+                    raise
+                # Withdrawn between the check and the read: the rank left a checkpoint save just now, so it lives.
         high = max(report[0] for report in reports.values() if report)
         suspects = {}
         for r, report in reports.items():

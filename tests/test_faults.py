@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -69,6 +70,31 @@ def test_writing_a_profile_pauses_the_watchdog_and_a_rank_still_writing_is_named
     assert "suspect rank(s): 1 (still writing its profile, at slow_export (fault_worker.py" in proc.stderr, \
         proc.stderr[-3000:]
     assert elapsed < ENDS_WITHIN, elapsed
+
+
+def test_a_report_withdrawn_while_it_is_read_is_not_taken_for_a_dead_rank_or_a_dead_store():
+    """Rank 1 leaves a checkpoint save, withdrawing its report, between rank 0's check of the key and its read."""
+    from fsdp_trainer.faults import REPORT, Watchdog
+
+    class Store:
+        def __init__(self):
+            self.keys = {REPORT.format(0): json.dumps([5, "waiting", "a"]),
+                         REPORT.format(1): json.dumps([5, "checkpointing", "b"])}
+
+        def check(self, keys):
+            return all(key in self.keys for key in keys)
+
+        def get(self, key):
+            if key == REPORT.format(1):
+                del self.keys[key]
+                raise torch.distributed.DistStoreError("wait timeout")
+            return self.keys[key]
+
+    watchdog = Watchdog.__new__(Watchdog)  # its report alone: no thread, no group
+    watchdog.rank, watchdog.world_size, watchdog.store = 0, 2, Store()
+    watchdog.last_progress, watchdog.timeout = time.monotonic(), 5.0
+    report = watchdog.report()
+    assert "every rank finished step 5" in report and "sent no report" not in report, report
 
 
 def test_a_watchdog_that_cannot_reach_the_store_says_so(tmp_path):
