@@ -97,8 +97,10 @@ KNOWN_VARIABLES = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "what the NCCL watchdog does when a collective fails or times out (0: "
                                        "nothing, 1: abort and exit, 2: abort and raise, 3 (default): exit)",
     "TORCH_NCCL_BLOCKING_WAIT": "1: wait() blocks the CPU and raises on timeout instead of the watchdog aborting",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE": "flight-recorder entries kept per rank (0: off); needed for hang dumps",
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1: dump the flight recorder on a timeout (needs TORCH_NCCL_TRACE_BUFFER_SIZE>0)",
+    "TORCH_FR_BUFFER_SIZE": "flight-recorder entries kept per rank (0: off); needed for hang dumps (the trainer "
+                            "sets it)",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "the older, deprecated name of TORCH_FR_BUFFER_SIZE",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1: dump the flight recorder on a timeout (needs TORCH_FR_BUFFER_SIZE>0)",
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "path prefix of the flight-recorder dumps",
     "TORCH_FR_DUMP_TEMP_FILE": "path prefix of the flight-recorder dumps (the newer name of "
                                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE; the trainer sets it)",

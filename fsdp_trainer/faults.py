@@ -45,7 +45,8 @@ def enable_flight_recorder(output_dir: Path) -> None:
     to <output_dir>/flight_recorder/rank_<r> on a timeout. Settings already in the environment win."""
     folder = output_dir.resolve() / "flight_recorder"
     folder.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:  # the deprecated name, if a user set it, wins too
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / "rank_"))
 
