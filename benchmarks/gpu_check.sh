@@ -143,14 +143,14 @@ PY
       done ;;
     profile)  # where each step's GPU time goes (the trace files stay on the machine)
       runs=${PROFILE_RUNS:-no_compile:op compile:op}
-      suffix=${PROFILE_RUNS:+_$(echo $runs | tr ' :' '_-')}
+      suffix=${PROFILE_RUNS:+_$(echo "$runs" | tr ' :' '_-')}
       log=$(results_file "profile_llama3_8b$suffix.log")
       results_header "PROFILE_RUNS=\"$runs\" bash benchmarks/gpu_check.sh $NGPU profile" | tee -a "$log"
       traces=()
       for run in $runs; do
         compile=${run%%:*} ac=${run#*:}
         cmd=(python3 -m torch.distributed.run --nproc_per_node="$NGPU" -m fsdp_trainer.train
-          --config configs/llama3_8b.toml --ac.mode "$ac" --parallel.$compile --train.steps 14 --train.log_every 7
+          --config configs/llama3_8b.toml --ac.mode "$ac" "--parallel.$compile" --train.steps 14 --train.log_every 7
           --profile.steps 12:13 --train.output_dir "/tmp/profile_${compile}_$ac" --checkpoint.interval 0
           --checkpoint.resume none --checkpoint.no_save_final --metrics.no_tensorboard)
         echo "\$ ${cmd[*]}" | tee -a "$log"
@@ -160,8 +160,9 @@ PY
       python3 benchmarks/kernels.py "${traces[@]}" --steps 2 >> "$log" ;;
     checkpoint)
       df -h /tmp | tail -1
+      read -ra modes <<< "${CHECKPOINT_MODES:-async_pinned none}"
       python3 benchmarks/checkpoint_io.py --config configs/llama3_8b.toml --nproc "$NGPU" --steps 16 --interval 15 \
-        --modes ${CHECKPOINT_MODES:-async_pinned none} -- --parallel.no_compile --checkpoint.no_save_final ;;
+        --modes "${modes[@]}" -- --parallel.no_compile --checkpoint.no_save_final ;;
     plan)
       python3 benchmarks/plan_accuracy.py ;;
     capped)

@@ -78,7 +78,7 @@ def test_shell_syntax(name):
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 def test_shellcheck():
-    files = [str(LAUNCH / name) for name in SCRIPTS]
+    files = [*(str(LAUNCH / name) for name in SCRIPTS), str(REPO / "benchmarks" / "gpu_check.sh")]
     result = subprocess.run(["shellcheck", "-x", "-s", "bash", *files], cwd=REPO, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stdout
