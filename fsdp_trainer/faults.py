@@ -297,7 +297,8 @@ class NonFiniteGuard:
                 "train.on_nonfinite=skip to skip such steps.")
         if self.mode == "skip" and skipped > self.max_skipped:
             first = int(self.first_bad.item())
-            since = f"the first of this run at step {first}" if first >= 0 else "all before the checkpoint this run resumed from"
+            since = (f"the first of this run at step {first}" if first >= 0 else
+                     "all before the checkpoint this run resumed from")
             raise NonFiniteError(
                 f"{skipped} steps with a non-finite loss or gradient norm were skipped ({since}), more than "
                 f"train.max_skipped_steps={self.max_skipped}. None of their updates was applied. {_NONFINITE_FIXES}, "

@@ -278,17 +278,19 @@ def main(argv=None) -> None:
         validate(cfg, world_size, "cuda" if torch.cuda.is_available() else "cpu")
     except ConfigError as err:  # the same on every rank: one message is enough
         exit_with_error(str(err), show=rank == 0)
+    # Errors that depend on the node (its data, its GPUs) are printed once per node, by its first rank.
+    first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0
     try:
         check_output_dirs(cfg)
         dataset = build_dataset(cfg.data, cfg.train.seq_len, model_args_from_config(cfg.model).vocab_size)
-    except ConfigError as err:  # the data may be missing or unreadable on one node only: each node says
-        exit_with_error(f"[rank {rank}] {err}", show=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+    except ConfigError as err:  # the data may be missing or unreadable on one node only
+        exit_with_error(f"[rank {rank}] {err}", show=first_on_node)
     if rank == 0:
         print(f"data: {dataset!r}", file=sys.stderr)
     try:
         memory_plan = fits_or_exit(cfg, world_size, rank)
-    except ConfigError as err:  # each node plans for its own GPUs: each node says
-        exit_with_error(f"[rank {rank}] {err}", show=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+    except ConfigError as err:  # each node plans for its own GPUs
+        exit_with_error(f"[rank {rank}] {err}", show=first_on_node)
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
     if cfg.dist.flight_recorder and torch.cuda.is_available():
