@@ -64,7 +64,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from fsdp_trainer.config import Config, ConfigError, grads_in_compute_pool, mesh_shape, parse_args, validate
+from fsdp_trainer.config import (Config, ConfigError, grads_in_compute_pool, mesh_shape, parse_args,
+                                 resolve_param_dtype, validate)
 from fsdp_trainer.metrics import GiB
 from fsdp_trainer.models.llama import ModelArgs, build, model_args_from_config
 
@@ -379,6 +380,8 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
         # float32), and either one chunk's float32 logits beside their param_dtype copy, or that copy (the chunk's
         # logit gradient) beside its product with the chunk's hidden states, a weight-sized param_dtype tensor.
         weight_grad_sum = 4 * root_or_output_grads // s.pbytes
+        # float16 keeps that sum in float32 until backward has scaled it, then casts it: both at once there.
+        weight_grad_float32 = weight_grad_sum if s.param_dtype == "float16" else 0
         chunk_buffers = max((4 + s.pbytes) * chunk * vocab, s.pbytes * chunk * vocab + root_or_output_grads)
         loss_moment = {"chunked loss": {**base, "blocks": block_acts, "head": head,
                                         "logits": hidden_grads + weight_grad_sum + chunk_buffers}}
@@ -387,13 +390,16 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
         # float32 gradient and log_softmax's float32 input gradient at once. Compiled: the logits' param_dtype
         # gradient, written in one pass (`fsdp_trainer.loss`).
         loss_buffers = s.pbytes * tokens * vocab if s.compiled else 3 * 4 * tokens * vocab
+        weight_grad_float32 = 0
         loss_moment = {"loss backward": {**base, "blocks": block_acts, "head": head,
                                          "logits": held_logits + loss_buffers}}
     return {
         **loss_moment,
         # output projection's backward: logits and their param_dtype gradient (chunked: the hidden states'
-        # gradient), the output group's weights and param_dtype gradients, the last block gathered ahead.
-        "output backward": {**base, "blocks": block_acts, "head": head, "logits": 2 * held_logits + hidden_grads,
+        # gradient, and float16's float32 weight gradient), the output group's weights and param_dtype gradients,
+        # the last block gathered ahead.
+        "output backward": {**base, "blocks": block_acts, "head": head,
+                            "logits": 2 * held_logits + hidden_grads + weight_grad_float32,
                             "comm": (root_grads if tied else gathered_unless_kept(first_back) + root_or_output_grads)
                             + gathered_unless_kept(blocks[-1])},
         # last block's backward (every block's activations still held): its weights and gradients, the next block
@@ -705,7 +711,10 @@ def plan(cfg: Config, gpus: int, gpu_memory_bytes: int, gpus_per_node: Optional[
 
 
 def check_fits(cfg: Config, world_size: int, gpu_memory_bytes: int) -> Plan:
-    """The plan for the job being started: `plan` with the node size torchrun reports (LOCAL_WORLD_SIZE)."""
+    """The plan for the job being started: `plan` with the node size torchrun reports (LOCAL_WORLD_SIZE), and
+    param_dtype 'auto' resolved for this node's GPUs (float16 before Ampere)."""
+    dtype = resolve_param_dtype(cfg.parallel.param_dtype, "cuda")
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, param_dtype=dtype))
     return plan(cfg, world_size, gpu_memory_bytes, int(os.environ.get("LOCAL_WORLD_SIZE", GPUS_PER_NODE)))
 
 

@@ -80,6 +80,28 @@ def test_chunked_loss_holds_one_chunk_and_the_loss_gradients_instead_of_the_logi
     assert full.predicted_peak_bytes - chunked.predicted_peak_bytes > 9 * GiB  # the peak moves to another moment
 
 
+def test_float16_chunked_loss_counts_its_float32_weight_gradient_at_backward():
+    def chunked(dtype):
+        return plan(cfg_for("--ac.mode", "full", "--train.loss_chunk_tokens", "2048", "--parallel.param_dtype",
+                            dtype), 8, BIG)
+
+    bf16, fp16 = chunked("bfloat16"), chunked("float16")
+    output = 128256 * 4096 + 4096  # output projection + final norm, gathered
+    # float16 holds the weight's gradient summed in float32 until backward scales it and casts it to float16.
+    assert fp16.moments["output backward"] - bf16.moments["output backward"] == 4 * output
+    assert fp16.moments["chunked loss"] == bf16.moments["chunked loss"]
+
+
+def test_the_job_s_plan_resolves_auto_param_dtype_for_its_gpus(monkeypatch):
+    flags = ("--train.loss_chunk_tokens", "2048")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)  # a V100
+    assert check_fits(cfg_for(*flags), 8, BIG).moments == plan(cfg_for(*flags, "--parallel.param_dtype",
+                                                                         "float16"), 8, BIG).moments
+    assert "| float16 params," in check_fits(cfg_for(), 8, BIG).render()
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert "| bfloat16 params," in check_fits(cfg_for(), 8, BIG).render()
+
+
 def test_chunked_loss_is_the_first_suggestion_when_the_logits_tip_the_balance():
     p = plan(cfg_for("--ac.mode", "none"), 4, parse_memory("82GiB"))
     assert not p.fits
