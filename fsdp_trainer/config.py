@@ -112,9 +112,9 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     lr: float = 2e-3
-    """Peak learning rate, reached at the end of warmup."""
+    """Peak learning rate, applied by the last warmup step (the first step without warmup)."""
     min_lr: float = 2e-4
-    """Learning rate at the end of the decay."""
+    """Learning rate at the end of the decay, applied by the last step (train.steps)."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay (not applied to norms or biases)."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -124,7 +124,7 @@ class OptimConfig:
     warmup_steps: int = 20
     """Linear warmup from 0 to lr over this many steps."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """Decay from lr to min_lr after warmup, ending at train.steps."""
+    """Decay from lr to min_lr after the peak, ending at train.steps."""
     grad_clip: float = 1.0
     """Clip gradients to this global L2 norm (0 disables clipping; the norm is still logged)."""
 
@@ -457,24 +457,29 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
     if t.seq_len > args.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={args.max_seq_len} of preset "
                           f"'{cfg.model.name}'; lower train.seq_len or raise model.max_seq_len")
+    if not 0 <= t.seed < 2 ** 44:  # each parameter's generator is seeded with seed x 1,000,003 + crc32(its name)
+        raise ConfigError(f"train.seed={t.seed}: must be between 0 and 2**44 - 1")
     o = cfg.optim
     if o.lr <= 0:
         raise ConfigError(f"optim.lr={o.lr}: must be > 0")
     if o.schedule != "constant" and not 0 <= o.min_lr <= o.lr:  # a constant schedule never decays to min_lr
         raise ConfigError(f"optim.lr={o.lr}, optim.min_lr={o.min_lr}: the {o.schedule} decay needs "
                           "0 <= min_lr <= lr")
-    if o.warmup_steps < 0 or o.grad_clip < 0 or o.weight_decay < 0 or o.eps < 0:
+    if o.warmup_steps < 0 or o.grad_clip < 0 or o.weight_decay < 0:
         raise ConfigError(f"optim.warmup_steps={o.warmup_steps}, optim.grad_clip={o.grad_clip}, optim.weight_decay="
-                          f"{o.weight_decay}, optim.eps={o.eps}: each must be >= 0")
+                          f"{o.weight_decay}: each must be >= 0")
+    if o.eps <= 0:
+        raise ConfigError(f"optim.eps={o.eps}: must be > 0 (AdamW divides by sqrt(exp_avg_sq) + eps, which is 0 for "
+                          "a parameter that has had only zero gradients, such as the embedding of an unseen token)")
     if not all(0 <= beta < 1 for beta in o.betas):
         raise ConfigError(f"optim.betas={tuple(o.betas)}: each must be in [0, 1)")
     if t.max_skipped_steps < 0:
         raise ConfigError(f"train.max_skipped_steps={t.max_skipped_steps}: must be >= 0")
     if cfg.memory.limit_gib is not None and cfg.memory.limit_gib <= 0:
         raise ConfigError(f"memory.limit_gib={cfg.memory.limit_gib}: must be > 0 GiB (or unset for the whole GPU)")
-    if cfg.dist.timeout_s <= 0 or cfg.dist.init_timeout_s <= 0:
+    if cfg.dist.timeout_s < 1 or cfg.dist.init_timeout_s < 1:
         raise ConfigError(f"dist.timeout_s={cfg.dist.timeout_s}, dist.init_timeout_s={cfg.dist.init_timeout_s}: "
-                          "both must be > 0 seconds")
+                          "both must be at least 1 second")
     for name in ("loss_chunk_tokens", "gc_every"):
         if getattr(t, name) < 0:
             raise ConfigError(f"train.{name}={getattr(t, name)}: must be >= 0 (0 turns it off)")
@@ -489,6 +494,9 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
         raise ConfigError(f"parallel.prefetch={cfg.parallel.prefetch}: must be at least 1 (FSDP2's own schedule)")
     if cfg.ac.every < 1:
         raise ConfigError(f"ac.every={cfg.ac.every}: must be at least 1")
+    if cfg.ac.mode == "selective" and cfg.ac.every > args.n_layers:
+        raise ConfigError(f"ac.every={cfg.ac.every} with ac.mode=selective checkpoints every {cfg.ac.every}th block, "
+                          f"and the model has {args.n_layers}: none would be; lower ac.every, or set ac.mode=none")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers={cfg.data.num_workers}: must be >= 0")
     if cfg.checkpoint.keep < 1 or cfg.checkpoint.write_threads < 1:

@@ -24,12 +24,14 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then decay to min_lr."""
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then decay to min_lr. Each end is applied
+    once: lr by the last warmup step (the first step without warmup), min_lr by the last step, total_steps - 1."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    peak = max(cfg.warmup_steps - 1, 0)
+    progress = min(1.0, (step - peak) / max(1, total_steps - 1 - peak))
     if cfg.schedule == "linear":
         return cfg.lr + (cfg.min_lr - cfg.lr) * progress
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))

@@ -108,6 +108,10 @@ def test_impossible_mesh_is_rejected(replicate, shard, world, message):
     ("train", "max_skipped_steps", -1, "train.max_skipped_steps=-1: must be >= 0"),
     ("memory", "limit_gib", -1.0, "memory.limit_gib=-1.0: must be > 0 GiB"),
     ("dist", "timeout_s", 0.0, "dist.timeout_s=0.0"),
+    ("dist", "init_timeout_s", 1e-7, "dist.init_timeout_s=1e-07: both must be at least 1 second"),
+    ("optim", "eps", 0.0, "optim.eps=0.0: must be > 0"),
+    ("train", "seed", 2 ** 47, "train.seed=140737488355328: must be between 0 and 2**44 - 1"),
+    ("train", "seed", -1, "train.seed=-1: must be between 0"),
     ("dist", "timeout_s", float("inf"), "dist.timeout_s=inf: must be finite"),
     ("dist", "init_timeout_s", float("nan"), "dist.init_timeout_s=nan: must be finite"),
     ("optim", "lr", float("nan"), "optim.lr=nan: must be finite"),
@@ -125,6 +129,14 @@ def test_invalid_settings_name_field_value_and_fix(section, key, value, message)
     setattr(getattr(cfg, section), key, value)
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(cfg, 1, "cpu")
+
+
+def test_selective_ac_must_checkpoint_some_block():
+    cfg = parse_args(["--ac.mode", "selective", "--ac.every", "5"])  # the debug model has 4 blocks
+    with pytest.raises(ConfigError, match="ac.every=5 with ac.mode=selective .* the model has 4: none would be"):
+        validate(cfg, 1, "cpu")
+    validate(parse_args(["--ac.mode", "selective", "--ac.every", "4"]), 1, "cpu")
+    validate(parse_args(["--ac.mode", "op", "--ac.every", "5"]), 1, "cpu")  # every is selective's only
 
 
 def test_a_constant_schedule_ignores_min_lr():

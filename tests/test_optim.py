@@ -10,14 +10,17 @@ from fsdp_trainer.config import OptimConfig
 from fsdp_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm, lr_at
 
 
-@pytest.mark.parametrize("schedule,expected", [
-    # lr 1, min_lr 0.1, 2 warmup steps, 6 steps: warmup 0.5, 1; then decay over 4 steps, progress 0, 1/4, 2/4, 3/4.
-    ("cosine", [0.5, 1.0, 1.0, 0.1 + 0.45 * (1 + 0.5 ** 0.5), 0.55, 0.1 + 0.45 * (1 - 0.5 ** 0.5)]),
-    ("linear", [0.5, 1.0, 1.0, 0.775, 0.55, 0.325]),
-    ("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]),
+@pytest.mark.parametrize("warmup,schedule,expected", [
+    # lr 1, min_lr 0.1, 6 steps. 2 warmup steps: 0.5, then the peak 1 once; the 4 steps after it decay with progress
+    # 1/4, 2/4, 3/4 and 1, so the last step applies min_lr.
+    (2, "cosine", [0.5, 1.0, 0.1 + 0.45 * (1 + 0.5 ** 0.5), 0.55, 0.1 + 0.45 * (1 - 0.5 ** 0.5), 0.1]),
+    (2, "linear", [0.5, 1.0, 0.775, 0.55, 0.325, 0.1]),
+    (2, "constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]),
+    # No warmup: the first step applies the peak, then 5 steps decay to min_lr.
+    (0, "linear", [1.0, 0.82, 0.64, 0.46, 0.28, 0.1]),
 ])
-def test_schedule_values(schedule, expected):
-    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=2, schedule=schedule)
+def test_schedule_values(warmup, schedule, expected):
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=warmup, schedule=schedule)
     assert [lr_at(step, cfg, 6) for step in range(6)] == pytest.approx(expected)
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=cfg.lr)
     scheduler = build_scheduler(optimizer, cfg, 6)

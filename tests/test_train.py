@@ -58,7 +58,8 @@ def reference_run(cfg, world_size: int):
     def lr(step):
         if step < o.warmup_steps:
             return o.lr * (step + 1) / o.warmup_steps
-        progress = min(1.0, (step - o.warmup_steps) / max(1, t.steps - o.warmup_steps))
+        peak = max(o.warmup_steps - 1, 0)  # the step that applies o.lr; the last step applies o.min_lr
+        progress = min(1.0, (step - peak) / max(1, t.steps - 1 - peak))
         return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
 
     batches = iter(build_dataloader(build_dataset(cfg.data, t.seq_len, args.vocab_size),
@@ -266,6 +267,7 @@ def test_a_run_the_plan_rejects_is_refused_on_every_node_before_the_process_grou
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=24 * 10**9))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("group started"))
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--config", str(ROOT / "configs/llama3_8b.toml"), "--data.source", "synthetic",
