@@ -6,9 +6,12 @@ others wait in their next collective for as long as its timeout. Every rank ther
 When its own step has not finished for `init_timeout_s` (until the first step is done, which includes
 compilation) or `timeout_s` (afterwards), it writes to the c10d store (a TCP side channel that works while the
 collectives do not) its last finished step and whether its main thread waits (in a collective or a GPU sync) or is
-busy elsewhere. Every stalled rank does the same at about the same time. It then reads the others' reports,
-names the suspects, and exits the process. A rank in a checkpoint save does not time out, but says so in the same
-place, so that it is not taken for a dead one. Nothing is written per step: the training loop pays nothing.
+busy elsewhere, and raises an alarm there. Every other rank's watchdog answers the alarm with its own report, at
+once: a stalled rank's last step ends one step before the others' when it stalls after the step's last
+collective, so the others time out a whole step later, and would be taken for dead had the first one waited for
+their own timeouts. It then reads the reports, names the suspects, and exits the process. A rank in a checkpoint
+save does not time out, but says so in the same place, so that it is not taken for a dead one. Nothing is written
+per step: the training loop pays nothing.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from fsdp_trainer.distributed import logger
 
 EXIT_HANG = 3
 REPORT = "fsdp_trainer/stalled/{}"
+ALARM = "fsdp_trainer/stalled/alarm"  # set by the first watchdog to time out: the others report at once
 # What a rank does while its watchdog is paused, as its report says.
 CHECKPOINTING, WRITING_PROFILE = "checkpointing", "writing a profile"
+WITHIN_TIMEOUT = "within its timeout"  # a rank that answered the alarm while it still made progress
 # Calls whose line, as the innermost frame of a stalled main thread, means it waits for the GPU (which may wait for
 # a peer in a collective) or for a collective of its own. Python cannot see which C call a frame is in.
 _WAITS = (".item()", ".tolist()", "synchronize(", ".wait()")
@@ -114,7 +119,7 @@ class Watchdog:
 
     def _watch(self) -> None:
         poll = min(5.0, self.timeout_s / 4)
-        published = None
+        published, answered = None, False
         while not self.stopped.wait(poll):
             # A rank in a save may wait there for a hung peer: it publishes that, and withdraws it afterwards, so
             # that the hung rank's report does not call it dead. From this thread, so that a save pays nothing.
@@ -123,7 +128,10 @@ class Watchdog:
             if activity != published:
                 self._publish_activity(activity)
                 published = activity
-            if activity or time.monotonic() - self.last_progress < self.timeout:
+            if activity:
+                continue
+            if time.monotonic() - self.last_progress < self.timeout:
+                answered = answered or self._answer_alarm()
                 continue
             state, location = _main_thread_location()
             if state == "busy" and not self._gpu_drains():
@@ -131,11 +139,12 @@ class Watchdog:
                 # launching into a full queue), not in a wait of its own: its GPU is what waits, in a collective.
                 state = "waiting"
             try:
-                # Say where this rank is stuck, then give the other ranks' watchdogs time to say the same. A store
-                # that cannot be reached answers within 5 s instead of after its own (start-up) timeout.
+                # Say where this rank is stuck, raise the alarm, and give the other ranks' watchdogs two polls to
+                # report. A store that cannot be reached answers within 5 s instead of after its own timeout.
                 self.store.set_timeout(datetime.timedelta(seconds=5))
-                self.store.set(REPORT.format(self.rank), json.dumps([self.step, state, location]))
-                time.sleep(2 * poll)
+                self._publish_report(state, location)
+                self.store.set(ALARM, str(self.rank))
+                self._wait_for_reports(2 * poll)
                 logger.error(self.report())
             except Exception as err:  # noqa: BLE001 - the store lives on rank 0's host; it may be gone too
                 logger.error(self._unreachable(err, state, location))
@@ -146,6 +155,26 @@ class Watchdog:
                 for handler in logger.handlers:
                     handler.flush()
                 os._exit(EXIT_HANG)
+
+    def _publish_report(self, state: str, location: str) -> None:
+        self.store.set(REPORT.format(self.rank), json.dumps([self.step, state, location]))
+
+    def _answer_alarm(self) -> bool:
+        """If another rank's watchdog has timed out, report that this one still makes progress; True once done."""
+        try:
+            if not self.store.check([ALARM]):
+                return False
+            self._publish_report(WITHIN_TIMEOUT, _main_thread_location()[1])
+            return True
+        except Exception:  # noqa: BLE001 - an unreachable store is reported by the rank that timed out
+            return False
+
+    def _wait_for_reports(self, seconds: float) -> None:
+        """Until every rank has reported, or `seconds` have passed (a dead rank never reports)."""
+        keys = [REPORT.format(r) for r in range(self.world_size)]
+        deadline = time.monotonic() + seconds
+        while not self.store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def _gpu_drains(self) -> bool:
         """Whether this rank's GPU finishes the work queued on it within a second (True without a GPU). Probed
@@ -212,6 +241,8 @@ class Watchdog:
                 suspects[r] = f"still writing its profile, at {report[2]}; profile fewer steps (profile.steps)"
             elif report[0] < high:
                 suspects[r] = f"finished step {report[0]} while others finished step {high}"
+            elif report[1] == WITHIN_TIMEOUT:  # it made progress less than a timeout ago
+                continue
             elif report[1] == "busy":
                 suspects[r] = f"busy outside any collective or GPU sync, at {report[2]}"
         if suspects:

@@ -4,7 +4,8 @@
 
 Faults, at the <step>-th call of train_step on the chosen rank(s): hang, crash, nan (its loss); stall (hangs,
 while the other ranks go on as they do under NCCL, whose steps only queue GPU work: they return at once, and so
-next wait in the stop/save vote or a save); term (SIGTERM to itself as the step begins, as from a scheduler).
+next wait in the stop/save vote or a save); stall_slow (the same, where the other ranks' steps take 3 s each,
+as a large model's would); term (SIGTERM to itself as the step begins, as from a scheduler).
 preempt: SIGUSR1 while the model is built, before the first step. slow_profile: writing the profile's trace takes
 <step> seconds longer.
 """
@@ -29,9 +30,11 @@ calls = 0
 def faulty_step(*args, **kwargs):
     global calls
     calls += 1
-    if fault == "stall" and calls >= fault_step:
+    if fault in ("stall", "stall_slow") and calls >= fault_step:
         if chosen:
             time.sleep(3600)
+        if fault == "stall_slow":
+            time.sleep(3)
         return torch.zeros(()), torch.zeros(())
     if calls == fault_step and chosen:
         if fault == "hang":

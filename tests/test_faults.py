@@ -8,6 +8,7 @@ import importlib
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -54,6 +55,19 @@ def test_a_stalled_rank_is_named_by_ranks_that_wait_for_it_in_the_vote_or_a_save
     assert proc.returncode != 0
     ahead = 4 if interval == 0 else 3  # the vote of step 3 is read after step 4; the save of step 3 waits
     assert f"suspect rank(s): 1 (finished step 2 while others finished step {ahead})." in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "sent no report" not in proc.stderr
+    assert elapsed < ENDS_WITHIN, elapsed
+
+
+def test_ranks_whose_steps_end_later_answer_the_first_timed_out_rank_at_once(tmp_path):
+    """The stalled rank's last step ended a whole (3 s) step before the healthy rank's, so it times out first, and
+    the healthy one would time out only after it had reported and ended the job: the healthy rank answers its alarm,
+    and is neither called dead nor suspected."""
+    proc, elapsed = launch("stall_slow", "1", 3, tmp_path, "--train.steps", "6", "--train.log_every", "6",
+                           "--dist.timeout_s", "5", "--checkpoint.interval", "0", "--checkpoint.no_save_final")
+    assert proc.returncode != 0
+    assert re.search(r"suspect rank\(s\): 1 \(finished step 2 while others finished step [34]\)\.", proc.stderr), \
         proc.stderr[-3000:]
     assert "sent no report" not in proc.stderr
     assert elapsed < ENDS_WITHIN, elapsed
