@@ -376,15 +376,17 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
     # product's backward, plus the residual stream's gradient and its update, [tokens, dim] each.
     work = s.pbytes * tokens * (3 * s.args.ffn_hidden_dim + 2 * s.args.dim)
     if chunk:
-        # Inside the loss's forward: the gradients it is filling (the hidden states', and the weight's summed in
-        # float32), and either one chunk's float32 logits beside their param_dtype copy, or that copy (the chunk's
-        # logit gradient) beside its product with the chunk's hidden states, a weight-sized param_dtype tensor.
+        # Inside the loss's forward: its input (the final norm's output), the gradients it is filling (the hidden
+        # states', and the weight's summed in float32), and either one chunk's float32 logits beside their
+        # param_dtype copy, or that copy (the chunk's logit gradient) beside its product with the chunk's hidden
+        # states, a weight-sized param_dtype tensor. The output projection is gathered, kept after forward or not.
         weight_grad_sum = 4 * root_or_output_grads // s.pbytes
         # float16 keeps that sum in float32 until backward has scaled it, then casts it: both at once there.
         weight_grad_float32 = weight_grad_sum if s.param_dtype == "float16" else 0
         chunk_buffers = max((4 + s.pbytes) * chunk * vocab, s.pbytes * chunk * vocab + root_or_output_grads)
-        loss_moment = {"chunked loss": {**base, "blocks": block_acts, "head": head,
-                                        "logits": hidden_grads + weight_grad_sum + chunk_buffers}}
+        loss_moment = {"chunked loss": {**base, "blocks": block_acts, "head": head + s.pbytes * tokens * s.args.dim,
+                                        "logits": hidden_grads + weight_grad_sum + chunk_buffers,
+                                        "comm": gathered_unless_kept(first_back)}}
     else:
         # cross_entropy's backward, next to the param_dtype logits. Eager: log_softmax's float32 output, nll_loss's
         # float32 gradient and log_softmax's float32 input gradient at once. Compiled: the logits' param_dtype

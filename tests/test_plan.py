@@ -69,14 +69,18 @@ def test_chunked_loss_holds_one_chunk_and_the_loss_gradients_instead_of_the_logi
     chunked = plan(cfg_for("--ac.mode", "full", "--train.loss_chunk_tokens", "2048"), 8, BIG)
     tokens, vocab, dim = 8192, 128256, 4096
     assert "loss backward" not in chunked.moments
-    # Gone: the bfloat16 logits, the three float32 loss buffers and the output projection's saved bfloat16 input.
-    # Added: the held gradients of the hidden states and of the output group (weight + norm, summed in float32),
-    # and one chunk's float32 logits beside their bfloat16 copy, or that copy beside its bfloat16 product with the
-    # chunk's hidden states, the size of the weight.
+    # Gone: the bfloat16 logits and the three float32 loss buffers (the output projection's saved bfloat16 input is
+    # now the loss's input, alive during its forward). Added: the held gradients of the hidden states and of the
+    # output group (weight + norm, summed in float32), and one chunk's float32 logits beside their bfloat16 copy, or
+    # that copy beside its bfloat16 product with the chunk's hidden states, the size of the weight.
     output = vocab * dim + dim
-    expected = (full.moments["loss backward"] - tokens * vocab * (2 + 3 * 4) - 2 * tokens * dim
+    expected = (full.moments["loss backward"] - tokens * vocab * (2 + 3 * 4)
                 + 2 * tokens * dim + 4 * output + max((4 + 2) * 2048 * vocab, 2 * 2048 * vocab + 2 * output))
     assert chunked.moments["chunked loss"] == expected
+    # The loss runs in the output projection's forward, so its weights are gathered whether kept after it or not.
+    always = plan(cfg_for("--ac.mode", "full", "--train.loss_chunk_tokens", "2048", "--parallel.reshard_after_forward",
+                          "always"), 8, BIG)
+    assert always.moments["chunked loss"] == chunked.moments["chunked loss"]
     assert full.predicted_peak_bytes - chunked.predicted_peak_bytes > 9 * GiB  # the peak moves to another moment
 
 
