@@ -987,8 +987,9 @@ def _hardware(args: PlanArgs) -> tuple[int, int, list[str]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = parse_args(argv, cls=PlanArgs, description=__doc__.split("\n\n")[0], prog="python -m fsdp_trainer.plan")
-    try:
+    try:  # a bad flag or config file exits 2, apart from a plan that does not fit (1)
+        args = parse_args(argv, cls=PlanArgs, description=__doc__.split("\n\n")[0],
+                          prog="python -m fsdp_trainer.plan")
         gpus, memory, notes = _hardware(args)
         result = plan(args, gpus, memory)
     except ConfigError as err:

@@ -496,6 +496,14 @@ def test_cli_bad_gpu_memory_is_a_clear_error():
     assert done.returncode == 2 and "--gpu-memory '80'" in done.stderr and "80GiB" in done.stderr
 
 
+def test_cli_bad_config_file_exits_2_not_does_not_fit(tmp_path):
+    done = _cli("--config", str(tmp_path / "nope.toml"), "--gpus", "8", "--gpu-memory", "80GiB")
+    assert done.returncode == 2 and "nope.toml" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    (tmp_path / "typo.toml").write_text("[train]\nsteps_typo = 3\n")
+    done = _cli("--config", str(tmp_path / "typo.toml"), "--gpus", "8", "--gpu-memory", "80GiB")
+    assert done.returncode == 2 and "steps_typo" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_text_table_names_every_part():
     text = plan(cfg_for(), 8, parse_memory("47.4GiB")).render()
     for part in ("parameters, float32 shards", "AdamW", "activations saved", "logits", "fragmentation",
