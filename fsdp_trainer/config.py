@@ -64,7 +64,7 @@ class DataConfig:
     """stdlib: the Python standard library's source, byte-tokenized and cached (no download);
     tokens: pre-tokenized shards made by `python -m fsdp_trainer.data prepare`; synthetic: random tokens."""
     path: Optional[str] = None
-    """Folder of token shards for source=tokens (ignored otherwise)."""
+    """Folder of token shards for source=tokens (and only for it: set with another source, it is refused)."""
     seed: int = 0
     """Seed of the sample order; the order is a pure function of (seed, global sample index)."""
     cache_dir: str = "~/.cache/fsdp_trainer"
@@ -497,6 +497,9 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
     if cfg.ac.mode == "selective" and cfg.ac.every > args.n_layers:
         raise ConfigError(f"ac.every={cfg.ac.every} with ac.mode=selective checkpoints every {cfg.ac.every}th block, "
                           f"and the model has {args.n_layers}: none would be; lower ac.every, or set ac.mode=none")
+    if cfg.data.path is not None and cfg.data.source != "tokens":  # else a run meant for that data trains on other
+        raise ConfigError(f"data.path={cfg.data.path} is set, but data.source={cfg.data.source} does not read it: "
+                          "add --data.source tokens, or unset data.path")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers={cfg.data.num_workers}: must be >= 0")
     if cfg.checkpoint.keep < 1 or cfg.checkpoint.write_threads < 1:

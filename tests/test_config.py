@@ -110,6 +110,8 @@ def test_impossible_mesh_is_rejected(replicate, shard, world, message):
     ("dist", "timeout_s", 0.0, "dist.timeout_s=0.0"),
     ("dist", "init_timeout_s", 1e-7, "dist.init_timeout_s=1e-07: both must be at least 1 second"),
     ("optim", "eps", 0.0, "optim.eps=0.0: must be > 0"),
+    ("data", "path", "shards", "data.path=shards is set, but data.source=stdlib does not read it: add --data.source "
+     "tokens"),
     ("train", "seed", 2 ** 47, "train.seed=140737488355328: must be between 0 and 2**44 - 1"),
     ("train", "seed", -1, "train.seed=-1: must be between 0"),
     ("dist", "timeout_s", float("inf"), "dist.timeout_s=inf: must be finite"),
