@@ -21,7 +21,8 @@ Runbook:
 Layout of <checkpoint.dir>/step_00000200/:
     .metadata            DCP's index of every tensor chunk; rank 0 writes it after every rank has written its data
     __<rank>_<n>.distcp  each rank's shards of the model and optimizer state, and its RNG states
-    config.toml          the resolved config of the run that saved it (export reads the model shape from it)
+    config.toml          the resolved config of the run that saved it, written first: export reads the model's
+                         settings from it (resume needs none of it)
     trainer_state.json   written last, by rank 0, once DCP finished: its presence marks the checkpoint committed.
                          Holds step, consumed_samples, tokens_seen, skipped_steps (non-finite), LR-scheduler and
                          grad-scaler state, world size, seq_len, the data's identity, and started_from (the
@@ -67,7 +68,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fsdp_trainer.config import Config, ConfigError, checkpoint_root, load_toml, mesh_shape, to_toml
+from fsdp_trainer.config import Config, ConfigError, checkpoint_root, from_dict, mesh_shape, to_toml
 from fsdp_trainer.data import samples_per_step, write_atomic
 from fsdp_trainer.distributed import DistInfo, logger
 from fsdp_trainer.faults import Watchdog
@@ -318,12 +319,31 @@ def _saved_model_settings(path: Path) -> str:
     return " It was saved with " + " ".join(f"--model.{k} {v}" for k, v in model.items()) + "."
 
 
+def saved_config(path: Path) -> Config:
+    """The config of the run that saved the checkpoint `path`, from its config.toml; a CheckpointError naming the
+    checkpoint and a fix if that is missing or unusable. Only export needs it, so it is no part of unusable_reason:
+    resume and init_from bring their own model settings, checked against these only where they can be read."""
+    file = Path(path) / CONFIG
+    try:
+        raw = tomllib.loads(file.read_text())
+        if "model" not in raw:  # to_toml always writes one: an empty file would read as the default preset
+            raise ValueError("no [model] table: it is empty or cut short")
+        cfg = from_dict(raw, source=str(file))
+        model_args_from_config(cfg.model)
+    except (OSError, ValueError) as err:  # ValueError: TOML's errors and ConfigError too
+        problem = "is missing" if isinstance(err, FileNotFoundError) else f"is unusable ({err})"
+        raise CheckpointError(f"checkpoint {path}: its {CONFIG}, the only record of the model's settings, {problem}; "
+                              "copy in the config.toml of the run that saved it (from its train.output_dir), or use "
+                              "another of its checkpoints") from None
+    return cfg
+
+
 def saved_tie_embeddings(path: Path) -> Optional[bool]:
     """Whether the model saved in `path` tied its embeddings (None: its config cannot be read). The shapes cannot
     tell: a tied model's state holds its one tensor under both names, an untied model's two tensors."""
     try:
-        return model_args_from_config(load_toml(Path(path) / CONFIG).model).tie_embeddings
-    except (ConfigError, OSError, ValueError):
+        return model_args_from_config(saved_config(path).model).tie_embeddings
+    except CheckpointError:
         return None
 
 
@@ -702,7 +722,7 @@ class Checkpointer:
         self._check_seq_len(path, state)
         self._check_data(path, state)
         metadata = read_metadata(path, ways_past(path))
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = self._state_dicts()
         fix = ("Resume with the model settings it was saved with, or start a new run with --checkpoint.resume none "
                "and another --checkpoint.dir.")
         check_shapes(path, metadata, tensor_shapes({"model": model_sd, "optim": optim_sd}), "model.", fix)
@@ -884,8 +904,21 @@ class Checkpointer:
 
     def _state(self) -> dict:
         """What each rank saves: its model and optimizer shards, and its RNG state."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = self._state_dicts()
         return {"model": model_sd, "optim": optim_sd, "rng": {f"rank{self.info.rank}": rng_state(self.info.device)}}
+
+    def _state_dicts(self) -> tuple[dict, dict]:
+        """get_state_dict's model and optimizer state dicts, without its side effect on an optimizer that has not
+        stepped yet (before the first step, or after only skipped ones): torch creates the state by an AdamW step
+        with zero gradients at lr 0, which moves no weight but counts a step, and Adam's bias correction would then
+        run a step ahead for the rest of the run, so that the weights depended on when checkpoints were taken. The
+        count goes back to 0, which leaves the state a fresh AdamW's first step creates."""
+        unstepped = not self.optimizer.state
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if unstepped:
+            for state in self.optimizer.state.values():
+                state["step"].zero_()  # in place: optim_sd holds these same tensors, not copies
+        return model_sd, optim_sd
 
     def _write(self, path: Path) -> Future:
         """Hand this rank's shards to DCP; the returned future completes once every rank's are on storage."""
@@ -913,7 +946,9 @@ class Checkpointer:
                 logger.info(f"clearing {path} before saving there: it {reason}")
                 shutil.rmtree(path)
             path.mkdir(parents=True)
-            (path / CONFIG).write_text(self._config_toml)
+            # Atomic, and on disk before DCP's shards and so before the marker: a crash never commits a checkpoint
+            # with an empty or partial config.toml.
+            write_atomic(path / CONFIG, lambda f: f.write(self._config_toml.encode()))
         dist.barrier(group=self.group)  # nobody writes into the folder while rank 0 may still be clearing it
 
     def _trainer_state(self, progress: Progress) -> dict:

@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_trainer.checkpoint import (CONFIG, DCP_ERRORS, CheckpointError, check_shapes, dcp_cause, load_dcp,
-                                     read_metadata, resolve, saved_tie_embeddings, tensor_shapes)
-from fsdp_trainer.config import Config, load_toml, to_toml
+                                     read_metadata, resolve, saved_config, saved_tie_embeddings, tensor_shapes)
+from fsdp_trainer.config import Config, to_toml
 from fsdp_trainer.distributed import logger
 from fsdp_trainer.models.llama import ModelArgs, model_args_from_config
 
@@ -99,6 +99,7 @@ def load_consolidated(path: Path) -> tuple[dict[str, torch.Tensor], Config]:
     without a process group: DCP fills tensors allocated from its metadata, whatever the saving world size."""
     path = resolve(path, "checkpoint")
     metadata = read_metadata(path, "export an earlier complete checkpoint")
+    cfg = saved_config(path)  # before the tensors: a large model's take minutes to read
     state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
@@ -109,7 +110,6 @@ def load_consolidated(path: Path) -> tuple[dict[str, torch.Tensor], Config]:
     except DCP_ERRORS as err:
         raise CheckpointError(f"checkpoint {path} could not be read ({dcp_cause(err)}): a file is corrupt or "
                               "truncated; export an earlier complete checkpoint") from err
-    cfg = load_toml(path / CONFIG)
     if model_args_from_config(cfg.model).tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]  # one tensor again, as in the model
     return state, cfg
@@ -118,14 +118,16 @@ def load_consolidated(path: Path) -> tuple[dict[str, torch.Tensor], Config]:
 def export(path: str | Path, out_dir: str | Path, dtype: Optional[torch.dtype] = None,
            log: Callable[[str], None] = print) -> Path:
     """Write a checkpoint's weights to out_dir as model.pt (our names; `Transformer.load_state_dict` takes it)
-    and, if safetensors is installed, as a Hugging Face Llama (config.json + model.safetensors)."""
+    and, if safetensors is installed, as a Hugging Face Llama (config.json + model.safetensors). The folder and
+    the checkpoint's config.toml are checked before the first file is written."""
+    out = Path(out_dir)
+    _check_no_weights_in(out)
     state, cfg = load_consolidated(Path(path))
     args = model_args_from_config(cfg.model)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
         if args.tie_embeddings:
             state["output.weight"] = state["tok_embeddings.weight"]
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(state, out / "model.pt")
     (out / CONFIG).write_text(to_toml(cfg))
@@ -142,6 +144,18 @@ def export(path: str | Path, out_dir: str | Path, dtype: Optional[torch.dtype] =
     (out / "config.json").write_text(json.dumps(hf_config(args, state["norm.weight"].dtype), indent=2) + "\n")
     log(f"wrote {out / 'model.safetensors'} and config.json: transformers' LlamaForCausalLM.from_pretrained loads it")
     return out
+
+
+def _check_no_weights_in(out: Path) -> None:
+    """A CheckpointError if `out` holds model weights already: an earlier export's files that this one would not
+    replace (the shards and index of a sharded model, say) would be loaded instead of the new ones, or mixed with
+    them. Nothing is deleted: they may be the only copy of another model."""
+    found = sorted({file.name for pattern in ("model.pt", "model*.safetensors", "model.safetensors.index.json")
+                    for file in out.glob(pattern)})
+    if found:
+        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+        raise CheckpointError(f"{out} holds model weights already ({', '.join(found[:3])}{more}); export into a new or "
+                              "empty folder, or remove those files first")
 
 
 def _read_hf_json(path: Path, key: Optional[str] = None) -> dict:
@@ -161,7 +175,11 @@ def _read_hf_json(path: Path, key: Optional[str] = None) -> dict:
 
 def _hf_tensor_files(folder: Path) -> dict[str, Path]:
     """HF tensor name -> the .safetensors file holding it (one file, or shards listed by an index)."""
-    index = folder / "model.safetensors.index.json"
+    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
+    if index.is_file() and single.is_file():
+        raise CheckpointError(f"hf:{folder}: holds both {single.name} and {index.name} (one left over from an "
+                              "earlier download or export?), so which weights are the model's is unclear; remove "
+                              "the one that is not")
     if index.is_file():
         files = {name: folder / file for name, file in _read_hf_json(index, "weight_map").items()}
         missing = sorted({path.name for path in files.values() if not path.is_file()})
@@ -169,7 +187,6 @@ def _hf_tensor_files(folder: Path) -> dict[str, Path]:
             raise CheckpointError(f"hf:{folder}: {', '.join(missing)}, listed in {index.name}, "
                                   f"{'is' if len(missing) == 1 else 'are'} missing; download the model again")
         return files
-    single = folder / "model.safetensors"
     if not single.is_file():
         raise CheckpointError(f"hf:{folder}: has neither model.safetensors nor model.safetensors.index.json")
     from safetensors import safe_open
@@ -177,23 +194,43 @@ def _hf_tensor_files(folder: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+def _hf_rope(config: dict) -> tuple[float, dict]:
+    """(rope_theta, RoPE scaling parameters or {} for none) of a config.json. transformers 5 writes them together
+    as rope_parameters, earlier versions as rope_theta and rope_scaling; an absent theta is transformers' default."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+    if scaling.get("rope_type", scaling.get("type")) in (None, "default"):  # "type": transformers 4's older name
+        scaling = {}
+    return theta, scaling
+
+
 def _check_hf_config(folder: Path, args: ModelArgs) -> None:
+    """A CheckpointError naming the settings of config.json that differ from this model's and a --model flag can set;
+    a warning for those that no flag can (RoPE scaling, RMSNorm's eps): refusing them would rule out fine-tuning
+    such a model at all, and the weights still carry over, though the first logits differ from the original's."""
     config = _read_hf_json(folder / "config.json")
+    theta, scaling = _hf_rope(config)
+    hf = {**config, "rope_theta": theta}
     fields = {"hidden_size": ("dim", args.dim), "num_hidden_layers": ("n_layers", args.n_layers),
               "num_attention_heads": ("n_heads", args.n_heads),
               "num_key_value_heads": ("n_kv_heads", args.n_kv_heads),
               "intermediate_size": ("ffn_hidden_dim", args.ffn_hidden_dim),
               "vocab_size": ("vocab_size", args.vocab_size),
-              "tie_word_embeddings": ("tie_embeddings", args.tie_embeddings)}
-    wrong = [(flag, config[key], ours) for key, (flag, ours) in fields.items() if key in config and config[key] != ours]
+              "tie_word_embeddings": ("tie_embeddings", args.tie_embeddings),
+              "rope_theta": ("rope_theta", args.rope_theta)}
+    wrong = [(flag, hf[key], ours) for key, (flag, ours) in fields.items() if key in hf and hf[key] != ours]
     if wrong:
         sets = ", ".join(f"{flag}={ours} here but {theirs} there" for flag, theirs, ours in wrong)
         flags = " ".join(f"--model.{flag} {theirs}" for flag, theirs, _ in wrong)
         raise CheckpointError(f"hf:{folder}: config.json does not fit this model ({sets}); set {flags}")
-    if config.get("rope_theta", args.rope_theta) != args.rope_theta or config.get("rope_scaling"):
-        logger.warning(f"hf:{folder}: RoPE differs (rope_theta {config.get('rope_theta')}, rope_scaling "
-                       f"{config.get('rope_scaling')}; this model: rope_theta {args.rope_theta}, no scaling): "
-                       "positions will be encoded differently from the original model")
+    unmatched = [f"RoPE scaling {scaling} there, none here"] if scaling else []
+    eps = config.get("rms_norm_eps", 1e-6)  # transformers' default
+    if eps != args.norm_eps:
+        unmatched.append(f"rms_norm_eps {eps} there, {args.norm_eps} here")
+    if unmatched:
+        logger.warning(f"hf:{folder}: {'; '.join(unmatched)}: no --model flag can match this, so this model's logits "
+                       "will differ from the original's until fine-tuning adapts its weights")
 
 
 def _hf_full_tensors(folder: Path, args: ModelArgs,

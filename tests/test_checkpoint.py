@@ -262,6 +262,34 @@ def test_async_pinned_allocates_its_staging_buffers_after_the_first_step(tmp_pat
     assert complete_steps(tmp_path / "checkpoints") == [3]
 
 
+def test_saving_before_the_first_applied_step_leaves_the_optimizer_as_it_was(tmp_path, monkeypatch):
+    """Step 1 is skipped as non-finite, so AdamW has no state when async_pinned sizes its buffers after it, or when
+    step 1 is saved. torch's get_state_dict creates the state by an AdamW step at lr 0, which counts a step: the
+    count must stay 0, in the optimizer and in the checkpoint, so that the weights do not depend on the
+    checkpoint mode."""
+    import fsdp_trainer.train as train
+    real_loss, calls = train.cross_entropy, []
+
+    def nan_at_step_1(*args):
+        calls.append(1)
+        return real_loss(*args) * (float("nan") if len(calls) == 1 else 1.0)
+
+    monkeypatch.setattr(train, "cross_entropy", nan_at_step_1)
+    runs = {}
+    for mode, interval in (("none", 0), ("none", 1), ("async_pinned", 3)):
+        calls.clear()
+        out = tmp_path / f"{mode}_{interval}"
+        result = train_in_process("--train.steps", "3", "--train.on_nonfinite", "skip", "--checkpoint.async_mode",
+                                  mode, "--checkpoint.interval", str(interval), "--train.output_dir", str(out))
+        assert {state["step"].item() for state in result["optimizer"].state.values()} == {2.0}, mode
+        runs[mode, interval] = full_state(result["model"])
+    saved = all_tensors(ck.step_dir(tmp_path / "none_1/checkpoints", 1))
+    assert {t.item() for k, t in saved.items() if k.endswith(".step")} == {0.0}
+    want = runs["none", 0]
+    for key, got in runs.items():
+        assert all(torch.equal(got[k], want[k]) for k in want), key
+
+
 def test_pinned_stager_reuses_its_buffers():
     """async_pinned copies into the same host buffers at every save (torch 2.11's DefaultStager drops them): views
     of one flat allocation, whatever the dtypes and shapes, non-tensor entries kept as they are."""
@@ -387,6 +415,95 @@ def test_export_without_safetensors_writes_model_pt_and_says_why(small, tmp_path
     assert "skipped the Hugging Face export: it needs safetensors" in messages[-1]
     with pytest.raises(ck.CheckpointError, match="holds an exported model.pt, which init_from cannot read"):
         ck.resolve(tmp_path / "export", "--checkpoint.init_from")
+
+
+def test_export_refuses_a_folder_with_weights_and_import_a_folder_with_two_sets(small, tmp_path, capsys):
+    """An earlier export's files that a new one would not replace (a sharded model's index and shards) would be
+    what init_from hf: loads: export refuses such a folder and deletes nothing; a folder holding both
+    model.safetensors and an index is refused by the importer, which cannot tell which one is the model."""
+    out = tmp_path / "old"
+    out.mkdir()
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (out / "model-00001-of-00001.safetensors").write_text("an older model")
+    before = tree(out)
+    with pytest.raises(SystemExit) as exit_info:
+        ck.main(["export", str(small / "checkpoints"), str(out)])
+    assert exit_info.value.code == 2
+    assert (f"{out} holds model weights already (model-00001-of-00001.safetensors, model.safetensors.index.json); "
+            "export into a new or empty folder, or remove those files first") in capsys.readouterr().err
+    assert tree(out) == before
+
+    safetensors = pytest.importorskip("safetensors")
+    new = tmp_path / "new"
+    weights.export(small / "checkpoints", new, log=lambda line: None)
+    with pytest.raises(ck.CheckpointError, match=re.escape(f"{new} holds model weights already (model.pt, "
+                                                           "model.safetensors)")):
+        weights.export(small / "checkpoints", new, log=lambda line: None)
+    # A sharded copy beside the single file, as an export over an older sharded model used to leave it.
+    shard = new / "model-00001-of-00001.safetensors"
+    shutil.copy(new / "model.safetensors", shard)
+    with safetensors.safe_open(str(shard), "pt") as f:
+        weight_map = dict.fromkeys(f.keys(), shard.name)
+    (new / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    args = model_args_from_config(parse_args(TINY).model)
+    with pytest.raises(ck.CheckpointError, match="holds both model.safetensors and model.safetensors.index.json"):
+        weights.load_weights(build(args, device="cpu"), f"hf:{new}", args)
+
+
+@pytest.mark.parametrize("damage", ["missing", "empty"])
+def test_export_of_a_checkpoint_without_its_config_names_it_and_writes_nothing(small, tmp_path, capsys, damage):
+    """A checkpoint's config.toml is the only record of its model's settings: without it, export stops before
+    writing anything (an empty one used to read as the default preset). Resume needs none of it: the checkpoint
+    stays usable."""
+    step = tmp_path / "step_00000004"
+    shutil.copytree(small / "checkpoints/step_00000004", step)
+    if damage == "missing":
+        (step / ck.CONFIG).unlink()
+    else:
+        (step / ck.CONFIG).write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        ck.main(["export", str(step), str(tmp_path / "export")])
+    assert exit_info.value.code == 2
+    problem = "is missing" if damage == "missing" else "is unusable (no [model] table: it is empty or cut short)"
+    assert (f"checkpoint {step}: its config.toml, the only record of the model's settings, {problem}; copy in the "
+            "config.toml of the run that saved it (from its train.output_dir)") in capsys.readouterr().err
+    assert not (tmp_path / "export").exists()
+    assert ck.unusable_reason(step) is None
+
+
+def test_hf_import_reads_rope_and_norm_settings_as_transformers_5_writes_them(tmp_path, monkeypatch):
+    """transformers 5 writes RoPE's settings as rope_parameters (4 wrote rope_theta and rope_scaling): another
+    theta, one a --model flag can set, is an error naming it, as is an absent one (transformers' default, 10000)
+    against another here; RoPE scaling and another rms_norm_eps, which no flag can match, are warned about."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+    args = model_args_from_config(parse_args(TINY).model)  # rope_theta 10000, norm_eps 1e-5
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file(weights.to_hf(build(args, device="cpu").state_dict(), args), str(folder / "model.safetensors"))
+    config = {k: v for k, v in weights.hf_config(args, torch.float32).items() if k != "rope_theta"}
+    warned = []
+    monkeypatch.setattr(weights.logger, "warning", warned.append)
+
+    def load(model_args=args, **settings) -> None:
+        (folder / "config.json").write_text(json.dumps({**config, **settings}))
+        weights.load_weights(build(model_args, device="cpu"), f"hf:{folder}", model_args)
+
+    with pytest.raises(ck.CheckpointError, match=re.escape("rope_theta=10000.0 here but 500000.0 there); set "
+                                                           "--model.rope_theta 500000.0")):
+        load(rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+    with pytest.raises(ck.CheckpointError, match=re.escape("rope_theta=10000.0 here but 500000 there")):
+        load(rope_theta=500000, rope_scaling=None)  # as transformers 4 writes it
+    wide = model_args_from_config(parse_args([*TINY, "--model.rope_theta", "500000"]).model)
+    with pytest.raises(ck.CheckpointError, match=re.escape("rope_theta=500000.0 here but 10000.0 there")):
+        load(wide)
+    load(rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    assert warned == []
+    llama3 = {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+              "original_max_position_embeddings": 8192, "rope_theta": 10000.0, "rope_type": "llama3"}
+    load(rope_parameters=llama3, rms_norm_eps=1e-6)
+    assert len(warned) == 1 and "RoPE scaling {'factor': 8.0," in warned[0], warned
+    assert "rms_norm_eps 1e-06 there, 1e-05 here: no --model flag can match this" in warned[0]
 
 
 def test_rope_row_permutation():
