@@ -685,7 +685,11 @@ class Checkpointer:
             named = os.path.abspath(os.path.expanduser(resume))  # symbolic links kept: the path as named
             if not self._saved_by_run_from(named):
                 path = resolve(resume, "--checkpoint.resume")
-                self._refuse_mixing(after_step=read_trainer_state(path)["step"], flag=f"--checkpoint.resume {path}")
+                # From this folder, its earlier checkpoints are this run's past; from elsewhere, any checkpoint here
+                # is another run's, which resume auto could pick, or retention delete as this run's own.
+                here = path.parent.resolve() == self.root.resolve()
+                self._refuse_mixing(after_step=read_trainer_state(path)["step"] if here else -1,
+                                    flag=f"--checkpoint.resume {path}")
                 return str(path), named
             logger.warning(f"resuming the newest checkpoint of this run, not {named}: this run began from {named} "
                            f"and saved since (to begin again from {named}, save to another --checkpoint.dir)")
@@ -713,9 +717,9 @@ class Checkpointer:
         newer = [p.name for step, p in committed_checkpoints(self.root) if step > after_step]
         if newer:
             raise CheckpointError(f"{flag}: {self.root} already holds checkpoints {', '.join(newer)} that this run "
-                                  "would mix with its own (and resume auto would later pick); to continue the run "
-                                  "that saved them, use --checkpoint.resume auto; else save to another "
-                                  "--checkpoint.dir, or move them away")
+                                  "would mix with its own (resume auto would later pick them, or retention delete "
+                                  "them); to continue the run that saved them, use --checkpoint.resume auto; else "
+                                  "save to another --checkpoint.dir, or move them away")
 
     def _load(self, path: Path) -> Progress:
         state = read_trainer_state(path)

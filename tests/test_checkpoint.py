@@ -774,6 +774,23 @@ def test_an_unusable_marker_is_an_error_and_never_deleted(small, tmp_path, capfd
     assert complete_steps(root) == [6] and tree(step2) == kept
 
 
+def test_resuming_from_elsewhere_into_a_folder_with_older_checkpoints_of_another_run_is_refused(small, tmp_path,
+                                                                                                 capfd):
+    """Older checkpoints are a run's own past only in its own folder: resumed from a checkpoint elsewhere, a run
+    would count another run's older checkpoints against checkpoint.keep and delete them."""
+    out = tmp_path / "run"
+    shutil.copytree(small / "checkpoints/step_00000002", out / "checkpoints/step_00000002")  # another run's
+    kept = tree(out / "checkpoints")
+    flags = [*TINY, "--train.output_dir", str(out), "--train.steps", "8", "--checkpoint.interval", "2",
+             "--checkpoint.keep", "1", "--checkpoint.async_mode", "none"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*flags, "--checkpoint.resume", str(small / "checkpoints/step_00000004")])
+    assert exit_info.value.code == 2
+    assert "already holds checkpoints step_00000002 that this run would mix with its own (resume auto would later " \
+        "pick them, or retention delete them)" in capfd.readouterr().err
+    assert tree(out / "checkpoints") == kept
+
+
 def test_each_way_past_a_corrupt_checkpoint_works(small, tmp_path, capfd):
     """A truncated shard in the newest checkpoint: the error gives the first failing rank's cause and two ways on,
     and each works as written (resume from an earlier one in the same folder would mix two runs)."""
