@@ -24,14 +24,15 @@ What it does, in order; the exit status is 0 only if every step passed:
    defines them (size is the full, unsharded buffer), so the table compares with
    `all_reduce_perf -b 1K -e 1G -f 4`. Skipped once a check has failed.
 
-How a hang is caught: before each step a rank writes an arrival key to the c10d store and after it a done key
-(the store is a TCP side channel, so it works while the collectives do not). A watchdog timer per step fires
-after --deadline-s: rank 0 then reads the keys and names the suspects: ranks that never arrived (with the last
-step they did reach) and ranks that left the step with an error (out of memory, say), for which the others are
-still waiting inside the collective. Where every rank is stuck inside the send/recv ring, each rank's completed
-receives name the links that never delivered, within a host or between hosts. Rank 0 prints the report and
-leaves with os._exit(1), because a rank blocked in a collective cannot shut down cleanly. The other ranks wait
-for that report before they exit, since torchrun kills every rank as soon as one fails.
+How a hang is caught: before each step a rank writes an arrival key to the c10d store, before each collective
+an entry key, and after the step a done key (the store is a TCP side channel, so it works while the collectives
+do not). A watchdog timer per step fires after --deadline-s: rank 0 then reads the keys and names the suspects:
+ranks that never arrived (with the last step they did reach), ranks that arrived but never entered the collective
+(stuck in their own work: their GPU or host), and ranks that left the step with an error (out of memory, say),
+for which the others are still waiting inside the collective. Where every rank is stuck inside the send/recv
+ring, each rank's completed receives name the links that never delivered, within a host or between hosts. Rank 0
+prints the report and leaves with os._exit(1), because a rank blocked in a collective cannot shut down cleanly.
+The other ranks wait for that report before they exit, since torchrun kills every rank as soon as one fails.
 
 --try-fixes (single node only; run it as a plain process, it starts the groups itself): runs the doctor in a
 fresh group of --nproc ranks; if that fails, again with each candidate setting until one passes, cheapest first:
@@ -42,9 +43,10 @@ not tried: they pass on one node, and fail the first run that spans nodes.
 Fault injection, for the tests: FSDP_TRAINER_DOCTOR_FAULT=hang:rank=1 makes rank 1 block before its first
 collective check; wrong:rank=1 makes rank 1 add 1 to everything it contributes; raise:rank=1 makes rank 1 raise
 where it would contribute to its first check (as out of memory would), leaving the others inside the collective;
-drop:rank=1 makes rank 1's ring sends never leave, as over a dead link; drop_remote:rank=1 only those to another
-node, as over a dead network card; wedge:rank=1 makes rank 1's queries of its own GPU never return, as in a wedged
-driver.
+stall:rank=1 makes rank 1 block there instead, after it arrived and before the collective (as on a GPU that
+wedged mid-run); drop:rank=1 makes rank 1's ring sends never leave, as over a dead link; drop_remote:rank=1 only
+those to another node, as over a dead network card; wedge:rank=1 makes rank 1's queries of its own GPU never
+return, as in a wedged driver.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 GiB = 2**30
 FAULT_VAR = "FSDP_TRAINER_DOCTOR_FAULT"
+FAULTS = ("hang", "wrong", "raise", "stall", "drop", "drop_remote", "wedge")  # each described in the docstring
 
 KNOWN_VARIABLES = {
     "NCCL_DEBUG": "NCCL log level; INFO prints the transport chosen for each peer (P2P, SHM, NET) at start-up",
@@ -131,20 +134,38 @@ class DoctorArgs:
 
 
 def parse_sizes(spec: str) -> list[int]:
-    """ "1K..1G" -> [1K, 4K, ..., 1G]; "64M" -> 1K..64M; "0" -> []. Units are binary (K = KiB)."""
+    """ "1K..1G" -> [1K, 4K, ..., 1G]; "64M" -> 1K..64M; "0" -> []. Units are binary (K = KiB). Anything else
+    raises ValueError: a size under 1 byte or a range that runs backwards would silently measure nothing."""
 
     def nbytes(text: str) -> int:
         text = text.strip().upper().removesuffix("B").removesuffix("I")
         scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-        return int(float(text.rstrip("KMG")) * scale)
+        value = float(text.rstrip("KMG")) * scale
+        if not 1 <= value < float("inf"):  # nan fails this too
+            raise ValueError(f"{text}: not a size of 1 byte or more")
+        return int(value)
 
-    low, _, high = spec.partition("..")
-    low, high = (nbytes(low), nbytes(high)) if high else (min(1024, nbytes(low)), nbytes(low))
+    if spec.strip() == "0":
+        return []
+    low, dots, high = spec.partition("..")
+    high = nbytes(high if dots else low)
+    low = nbytes(low) if dots else min(1024, high)
+    if low > high:
+        raise ValueError(f"{spec}: the range runs backwards")
     sizes = []
-    while 0 < low <= high:
+    while low <= high:
         sizes.append(low)
         low *= 4
     return sizes
+
+
+def _bandwidth_sizes(spec: str) -> list[int]:
+    """--sizes in bytes; "auto" is 1K..1G on GPU and 1K..16M on CPU. ValueError names the flag and its forms."""
+    try:
+        return parse_sizes(("1K..1G" if torch.cuda.is_available() else "1K..16M") if spec == "auto" else spec)
+    except ValueError:
+        raise ValueError(f"--sizes {spec}: expected sizes of 1 byte or more: a range (1K..1G), a top (64M, for "
+                         "1K..64M), or 0 to measure no bandwidth") from None
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -292,16 +313,11 @@ def _link_verdict(links: list[list[int]], facts: dict[int, dict], nccl: bool) ->
 class Doctor:
     """One doctor run on one rank: init, environment, checks and bandwidth, each as a step on the deadline."""
 
-    def __init__(self, args: DoctorArgs, fault: Optional[tuple[str, int]]):
-        self.args, self.fault = args, fault
+    def __init__(self, args: DoctorArgs, sizes: list[int], fault: Optional[tuple[str, int]]):
+        self.args, self.sizes, self.fault = args, sizes, fault
         self.out = sys.stderr if args.json else sys.stdout
         self.report = {"ok": False, "deadline_s": args.deadline_s, "environment": {}, "checks": [],
                        "bandwidth": [], "hints": []}
-        try:  # before any rank starts, so that a typo fails fast and alike on every rank
-            self.sizes = parse_sizes(("1K..1G" if torch.cuda.is_available() else "1K..16M")
-                                     if args.sizes == "auto" else args.sizes)
-        except ValueError:
-            raise SystemExit(f"--sizes {args.sizes!r}: expected e.g. 1K..1G, 64M or 0") from None
 
     def run(self) -> int:
         failure = None
@@ -347,6 +363,7 @@ class Doctor:
             if self.fault == ("hang", self.rank) and name != "environment":
                 threading.Event().wait()  # the injected hang: never joins; the watchdog ends the process
             self.store.set(f"doctor/last/{self.rank}", name)
+            self.step = name  # for _entering()
             self.store.set(f"doctor/{name}/arrived/{self.rank}", "")
             try:
                 result = body()
@@ -381,6 +398,13 @@ class Doctor:
             self._wait_for([f"doctor/{name}"])
             return self.store.get(f"doctor/{name}") == b"1"
 
+    def _entering(self) -> None:
+        """Called just before each collective of a step: a rank that arrived and never got here is stuck in its own
+        work, not in the transport. On GPU that work is asynchronous, so it waits for it: a wedged GPU stops here."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.store.set(f"doctor/{self.step}/entered/{self.rank}", "")
+
     def _timed_out(self, name: str) -> None:
         """Watchdog thread: the step overran. Rank 0 names the laggards and reports; every rank then exits."""
         if self.rank != 0:
@@ -393,11 +417,15 @@ class Doctor:
             return self.store.check([key])
 
         missing = [r for r in range(self.n) if not has(f"doctor/{name}/arrived/{r}")]
-        stuck = [r for r in range(self.n) if r not in missing and not has(f"doctor/{name}/done/{r}")]
+        late = [r for r in range(self.n) if r not in missing and not has(f"doctor/{name}/done/{r}")]
         done = {r: json.loads(self.store.get(f"doctor/{name}/done/{r}")) for r in range(self.n)
-                if r not in missing + stuck}
+                if r not in missing + late}
         failed = {r: result["error"] for r, result in done.items() if "error" in result}
-        suspects = sorted([*missing, *failed])
+        # A rank that arrived but never entered the collective is stuck in its own work (its GPU or host), not in
+        # the transport. The environment step has no collective, so every rank late in it is one.
+        outside = [r for r in late if not has(f"doctor/{name}/entered/{r}")]
+        stuck = [r for r in late if r not in outside]  # inside the collective
+        suspects = sorted([*missing, *failed, *outside])
         facts = {f["rank"]: f for f in self.report["environment"].get("ranks", [])}
 
         def where(r: int) -> str:
@@ -408,9 +436,15 @@ class Doctor:
             last = self.store.get(f"doctor/last/{r}").decode() if has(f"doctor/last/{r}") else "init"
             parts.append(f"rank {r}{where(r)} never arrived; the last step it reached was {last!r}")
         parts += [f"rank {r}{where(r)} failed: {e}" for r, e in failed.items()]
-        if missing:
-            self.report["hints"].append("a rank that never arrived is stuck or dead outside the collective: "
-                                        "`py-spy dump --pid PID` on its host shows where")
+        if outside and name == "environment":
+            parts.append(f"rank(s) {_ranks(outside)} are stuck gathering their facts: a CUDA query or nvidia-smi "
+                         "that does not answer (a wedged driver or GPU?)")
+        elif outside:
+            parts.append(f"rank(s) {_ranks(outside)} arrived but never entered the collective: stuck in their own "
+                         "work before it (a wedged GPU, or a blocked host process?)")
+        if missing or outside:
+            self.report["hints"].append("a rank that never arrived or never entered the collective is stuck or dead "
+                                        "outside it: `py-spy dump --pid PID` on its host shows where")
         if failed:
             self.report["hints"].append("a rank that failed left the others waiting inside the collective: fix "
                                         "its error first (out of memory at the largest bandwidth sizes: pass a "
@@ -422,9 +456,6 @@ class Doctor:
         elif links:
             parts.append(f"rank(s) {_ranks(stuck)} are stuck inside it; "
                          + _link_verdict(links, facts, self.info.backend == "nccl"))
-        elif stuck and name == "environment":  # no collective in it: only each rank's own queries
-            parts.append(f"rank(s) {_ranks(stuck)} are stuck gathering their facts: a CUDA query or nvidia-smi "
-                         "that does not answer (a wedged driver or GPU?)")
         elif stuck:
             parts.append(f"rank(s) {_ranks(stuck)} arrived but are stuck inside it: the transport itself hangs "
                          "(see the settings below)")
@@ -517,6 +548,8 @@ class Doctor:
     def _contribution(self, count: int) -> torch.Tensor:
         if self.fault == ("raise", self.rank):
             raise RuntimeError(f"injected fault ({FAULT_VAR}): rank {self.rank} raised before the collective")
+        if self.fault == ("stall", self.rank):
+            threading.Event().wait()  # the injected stall: never enters; the watchdog ends the process
         x = _pattern(self.rank, count, self.device)
         if self.fault == ("wrong", self.rank):
             x += 1
@@ -524,22 +557,26 @@ class Doctor:
 
     def _all_reduce(self, count: int):
         x = self._contribution(count)
+        self._entering()
         dist.all_reduce(x)
         return _mismatch(x, _sum_of_patterns(self.n, count, self.device)), []  # a sum cannot tell who was wrong
 
     def _all_gather(self, count: int):
-        out = torch.full((self.n, count), -1.0, device=self.device)
-        _all_gather(out.view(-1), self._contribution(count))
+        out, mine = torch.full((self.n, count), -1.0, device=self.device), self._contribution(count)
+        self._entering()
+        _all_gather(out.view(-1), mine)
         wrong = {src: m for src in range(self.n) if (m := _mismatch(out[src], _pattern(src, count, self.device)))}
         return (f"block from rank {min(wrong)}: {wrong[min(wrong)]}" if wrong else None), sorted(wrong)
 
     def _reduce_scatter(self, count: int):
-        out = torch.full((count,), -1.0, device=self.device)
-        _reduce_scatter(out, self._contribution(self.n * count))
+        out, mine = torch.full((count,), -1.0, device=self.device), self._contribution(self.n * count)
+        self._entering()
+        _reduce_scatter(out, mine)
         return _mismatch(out, _sum_of_patterns(self.n, count, self.device, offset=self.rank * count)), []
 
     def _broadcast(self, count: int):
         x = self._contribution(count) if self.rank == 0 else torch.full((count,), -1.0, device=self.device)
+        self._entering()
         dist.broadcast(x, src=0)
         wrong = _mismatch(x, _pattern(0, count, self.device))
         return wrong, [0] if wrong else []
@@ -554,6 +591,7 @@ class Doctor:
         def post_send():  # an injected dead link never delivers
             return None if dropped else dist.isend(send, after)
 
+        self._entering()
         # Single sends and receives, not one batch: NCCL completes a batch as one piece of work, and a hang report
         # needs to know which receive never completed. Ranks of even (rank // stride) send first, the others
         # receive first, so where a send and a receive share one NCCL stream (two ranks, or two nodes in the
@@ -603,6 +641,7 @@ class Doctor:
         full, part = torch.ones(count, device=self.device), torch.ones(shard, device=self.device)
         run = {"all_reduce": partial(dist.all_reduce, full), "all_gather": partial(_all_gather, full, part),
                "reduce_scatter": partial(_reduce_scatter, part, full)}[op]
+        self._entering()  # once, outside the timed runs
         for _ in range(3):  # the first runs set up connections and buffers
             run()
         # One timing around all the runs, back to back, as nccl-tests and benchmarks/collectives.py take it: a sync
@@ -821,20 +860,30 @@ def try_fixes(args: DoctorArgs) -> int:
 
 
 def _parse_fault(spec: str) -> Optional[tuple[str, int]]:
+    """$FSDP_TRAINER_DOCTOR_FAULT as (kind, rank), None where unset; ValueError names the variable and its form."""
     if not spec:
         return None
     kind, _, target = spec.partition(":")
-    if (kind not in ("hang", "wrong", "raise", "drop", "drop_remote", "wedge") or not target.startswith("rank=")
-            or not target[5:].isdigit()):
-        raise SystemExit(f"{FAULT_VAR}={spec!r}: expected hang, wrong, raise, drop, drop_remote or wedge, then :rank=N "
+    if kind not in FAULTS or not target.startswith("rank=") or not target[5:].isdigit():
+        raise ValueError(f"{FAULT_VAR}={spec}: expected {', '.join(FAULTS[:-1])} or {FAULTS[-1]}, then :rank=N "
                          "(e.g. hang:rank=1)")
     return kind, int(target[5:])
 
 
+def _parsed(parse: Callable[[str], object], text: str, refusals: list[str]):
+    """parse(text), or None with the ValueError's message added to the refusals."""
+    try:
+        return parse(text)
+    except ValueError as e:
+        refusals.append(str(e))
+        return None
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     args = tyro.cli(DoctorArgs, args=argv, prog="python -m fsdp_trainer.doctor", description=__doc__)
-    # Refused before anything runs, with argparse's exit status 2 (as the planner's): a deadline of 0 would time
-    # every step out at once and blame a rank, and the mean of no runs would fail like a broken collective.
+    # Refused before anything runs, with argparse's exit status 2 (as the planner's), not the 1 of a failed check:
+    # a deadline of 0 would time every step out at once and blame a rank, and the mean of no runs would fail like a
+    # broken collective.
     refusals = [
         f"--deadline-s {args.deadline_s:g}: must be above 0 (the seconds each step may take; default 60)"
         if args.deadline_s <= 0 else "",
@@ -842,13 +891,16 @@ def main(argv: Optional[list[str]] = None) -> None:
         "or --sizes 0 to measure no bandwidth" if args.iters < 1 else "",
         f"--nproc {args.nproc}: must be 0 (every visible GPU, or 2 on CPU) or more" if args.nproc < 0 else "",
     ]
+    # A malformed --sizes or fault is bad input too; refused here also before --try-fixes starts its groups.
+    sizes = _parsed(_bandwidth_sizes, args.sizes, refusals)
+    fault = _parsed(_parse_fault, os.environ.get(FAULT_VAR, ""), refusals)
     for refusal in filter(None, refusals):
         print(f"python -m fsdp_trainer.doctor: error: {refusal}", file=sys.stderr)
     if any(refusals):
         sys.exit(2)
     if args.try_fixes:
         sys.exit(try_fixes(args))
-    code = Doctor(args, _parse_fault(os.environ.get(FAULT_VAR, ""))).run()
+    code = Doctor(args, sizes, fault).run()
     if code:  # after a failed collective, NCCL's teardown can block for good; the report is out, so just go
         _exit(code)
     distributed.shutdown()

@@ -3,12 +3,16 @@
 # GPU count, rendezvous endpoint, rank-0 log filtering, and printing/running the final command.
 
 # Ranks per node: the GPUs this process may use (CUDA_VISIBLE_DEVICES, as Slurm sets it, else nvidia-smi -L),
-# or one CPU process (gloo) when there is no GPU.
+# or one CPU process (gloo) when there is no GPU. CUDA_VISIBLE_DEVICES set to "", -1 or NoDevFiles (Slurm's value
+# for a job without GPUs) hides every GPU: one CPU process then, not one per GPU that nvidia-smi still lists.
 default_ngpu() {
     local n=0 devices
-    if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
-        IFS=, read -r -a devices <<< "$CUDA_VISIBLE_DEVICES"
-        n=${#devices[@]}
+    if [[ -v CUDA_VISIBLE_DEVICES ]]; then
+        case "$CUDA_VISIBLE_DEVICES" in
+            "" | -1 | NoDevFiles) ;;
+            *) IFS=, read -r -a devices <<< "$CUDA_VISIBLE_DEVICES"
+               n=${#devices[@]} ;;
+        esac
     elif command -v nvidia-smi >/dev/null 2>&1; then
         # `|| true`: nvidia-smi exits non-zero on a machine with the tool but no working driver.
         n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)

@@ -50,6 +50,9 @@ def test_sizes_and_bus_bandwidth_factors():
     assert parse_sizes("1K..1M") == [1024, 4096, 16384, 65536, 262144, 1048576]
     assert parse_sizes("64KiB") == [1024, 4096, 16384, 65536]
     assert parse_sizes("0") == []
+    for nothing in ("-4K", "0..1M", "1M..1K", "nan", "abc"):  # each would measure nothing, or is a typo
+        with pytest.raises(ValueError):
+            parse_sizes(nothing)
     # nccl-tests: all_reduce moves 2(n-1)/n of the buffer per rank, all_gather and reduce_scatter (n-1)/n.
     assert bus_factor("all_reduce", 8) == 2 * 7 / 8
     assert bus_factor("all_gather", 4) == bus_factor("reduce_scatter", 4) == 3 / 4
@@ -93,13 +96,17 @@ def test_failed_run_exits_without_waiting_on_the_group_teardown():
     assert proc.returncode == 1 and "== result: FAIL ==" in proc.stdout, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("flags,error", [
-    (["--iters", "0"], "--iters 0: the bandwidth table needs at least one timed run per size"),
-    (["--deadline-s", "0"], "--deadline-s 0: must be above 0"),
-    (["--nproc", "-1"], "--nproc -1: must be 0"),
+@pytest.mark.parametrize("flags,fault,error", [
+    (["--iters", "0"], "", "--iters 0: the bandwidth table needs at least one timed run per size"),
+    (["--deadline-s", "0"], "", "--deadline-s 0: must be above 0"),
+    (["--nproc", "-1"], "", "--nproc -1: must be 0"),
+    (["--sizes", "abc"], "", "--sizes abc: expected sizes of 1 byte or more: a range (1K..1G), a top (64M"),
+    (["--sizes", "-4K"], "", "--sizes -4K: expected sizes of 1 byte or more"),
+    ([], "hang:rank=one", f"{FAULT_VAR}=hang:rank=one: expected hang, wrong, raise, stall, drop, drop_remote or "
+                          "wedge, then :rank=N"),
 ])
-def test_nonsensical_arguments_are_refused_like_argparse_before_anything_runs(flags, error):
-    proc, _ = run_doctor(*flags)
+def test_nonsensical_arguments_are_refused_like_argparse_before_anything_runs(flags, fault, error):
+    proc, _ = run_doctor(*flags, fault=fault)
     assert proc.returncode == 2 and "== checks" not in proc.stdout and "TIMEOUT" not in proc.stdout
     assert f"python -m fsdp_trainer.doctor: error: {error}" in proc.stderr, proc.stderr
 
@@ -234,6 +241,18 @@ def test_rank_that_raised_is_the_suspect_not_the_ranks_left_waiting():
     assert "rank 1" in failed["error"] and "failed: RuntimeError: injected fault" in failed["error"]
     assert "rank(s) 0 are waiting inside it for rank(s) 1" in failed["error"]
     assert "transport itself hangs" not in failed["error"] and "suspect rank(s): 1 " in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_stuck_before_the_collective_is_named_not_the_transport(rank):
+    """Arrived at its first check, then stuck in its own work before the collective (as on a GPU that wedged
+    mid-run): named as the suspect the other rank waits for inside the collective, even when it is rank 0."""
+    proc, failed = timed_out_check(f"stall:rank={rank}", nproc=2)
+    assert failed["name"] == "all_reduce" and failed["suspects"] == [rank] and failed["ranks"] == [rank], failed
+    assert f"rank(s) {rank} arrived but never entered the collective" in failed["error"]
+    assert f"rank(s) {1 - rank} are waiting inside it for rank(s) {rank}" in failed["error"]
+    assert "transport" not in failed["error"] and f"suspect rank(s): {rank} " in proc.stderr
 
 
 @pytest.mark.slow

@@ -60,6 +60,10 @@ def printed_command(output: str) -> list[str]:
     return shlex.split(lines[0][2:])
 
 
+# A stand-in for nvidia-smi on a machine with three GPUs: `nvidia-smi -L` lists them.
+THREE_GPUS = 'printf "GPU 0: X (UUID: a)\\nGPU 1: X (UUID: b)\\nGPU 2: X (UUID: c)\\n"\n'
+
+
 def stand_in(tmp_path: Path, name: str, body: str) -> None:
     """An executable shell script `name` in tmp_path/bin, which launch_env(tmp_path) puts first on PATH."""
     path = tmp_path / "bin" / name
@@ -108,10 +112,21 @@ def test_run_sh_runs_torchrun_with_defaults(tmp_path):
     if shutil.which("nvidia-smi") is None:
         assert "--nproc-per-node=1 " in result.stdout
     assert printed_command(result.stdout)[-2:] == ["--config", "a b.toml"]
-    stand_in(tmp_path, "nvidia-smi", 'printf "GPU 0: X (UUID: a)\\nGPU 1: X (UUID: b)\\nGPU 2: X (UUID: c)\\n"\n')
+    stand_in(tmp_path, "nvidia-smi", THREE_GPUS)
     result = script("run.sh", env=launch_env(tmp_path, PYTORCH_CUDA_ALLOC_CONF="garbage_collection_threshold:0.8"))
     assert "--nproc-per-node=3" in result.stdout
     assert "ALLOC=garbage_collection_threshold:0.8" in result.stdout  # a user's setting wins
+
+
+@pytest.mark.parametrize("visible,ngpu", [("", 1), ("-1", 1), ("NoDevFiles", 1), ("2,0", 2)],
+                         ids=["empty", "minus-one", "NoDevFiles", "two"])
+def test_cuda_visible_devices_wins_over_nvidia_smi_even_when_it_hides_every_gpu(tmp_path, visible, ngpu):
+    """Set, CUDA_VISIBLE_DEVICES is the GPU count, even when it is none (empty, -1, or Slurm's NoDevFiles): one CPU
+    process then, not one per GPU that nvidia-smi still lists, each of which would run on the CPU."""
+    stand_in(tmp_path, "nvidia-smi", THREE_GPUS)
+    result = script("run.sh", env=launch_env(tmp_path, DRY_RUN="1", CUDA_VISIBLE_DEVICES=visible))
+    assert result.returncode == 0, result.stderr
+    assert f"--nproc-per-node={ngpu}" in printed_command(result.stdout)
 
 
 def test_multinode_dry_run():
