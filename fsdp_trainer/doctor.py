@@ -271,10 +271,15 @@ def _network_interfaces() -> list[str]:
 
 
 def _hints(report: dict) -> list[str]:
-    """Settings to try for a failed or hung step, most telling first. Runs on rank 0, so its host is this one."""
+    """Settings to try for a failed or hung step, most telling first. Runs on rank 0, so its host is this one.
+    None of the transport's where every failure is a timeout with suspects (ranks that never arrived, never entered
+    the collective, or raised): the others merely waited for them, and the transport is not in question."""
     env = report["environment"]
     ifaces = ", ".join(_network_interfaces()) or "none but loopback and bridges"
     hints = [w for w in env.get("warnings", []) if "/dev/shm" in w]
+    failed = [c for c in report["checks"] if not c["ok"]]
+    if failed and all(c.get("timed_out") and c.get("suspects") for c in failed):
+        return hints
     if env.get("backend") == "nccl":
         hints += [
             "NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM,NET: shows the transport each pair of ranks uses",

@@ -241,6 +241,7 @@ def test_rank_that_raised_is_the_suspect_not_the_ranks_left_waiting():
     assert "rank 1" in failed["error"] and "failed: RuntimeError: injected fault" in failed["error"]
     assert "rank(s) 0 are waiting inside it for rank(s) 1" in failed["error"]
     assert "transport itself hangs" not in failed["error"] and "suspect rank(s): 1 " in proc.stderr
+    assert not any("SOCKET_IFNAME" in hint for hint in json.loads(proc.stdout)["hints"])  # not the transport's
 
 
 @pytest.mark.slow
@@ -253,6 +254,8 @@ def test_a_rank_stuck_before_the_collective_is_named_not_the_transport(rank):
     assert f"rank(s) {rank} arrived but never entered the collective" in failed["error"]
     assert f"rank(s) {1 - rank} are waiting inside it for rank(s) {rank}" in failed["error"]
     assert "transport" not in failed["error"] and f"suspect rank(s): {rank} " in proc.stderr
+    hints = json.loads(proc.stdout)["hints"]
+    assert any("py-spy dump" in hint for hint in hints) and not any("SOCKET_IFNAME" in hint for hint in hints)
 
 
 @pytest.mark.slow
@@ -262,6 +265,7 @@ def test_ring_hang_names_the_link_that_never_delivered():
     # Rank 1's sends never leave: rank 2 waits on it, and rank 0, a size further on, waits on rank 2.
     assert failed["links"] == [[1, 2]], failed["error"]
     assert "no data arrived over 1 -> 2 (within " in failed["error"] and "GLOO_SOCKET_IFNAME" in failed["error"]
+    assert any(hint.startswith("GLOO_SOCKET_IFNAME") for hint in json.loads(proc.stdout)["hints"])
 
 
 def two_node_doctor(fault: str = "") -> dict:
