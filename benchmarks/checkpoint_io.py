@@ -79,8 +79,10 @@ def measure(args, mode: str, threads: int, out: Path) -> dict:
     if staging:  # async_pinned allocates its host buffers once, after step 1
         row.update(staging_alloc_s=float(staging.group(2)))
     row["load_page_cache_dropped_gb"] = drop_from_page_cache(out) / 1e9
-    # One more step after the load, and no final save: a third full checkpoint could fill the disk.
-    resumed = train(args, mode, threads, out, args.steps + 1, "auto", "--checkpoint.no_save_final")
+    # One more step after the load, and no save, periodic (--interval may divide --steps + 1) or final: another full
+    # checkpoint could fill the disk.
+    resumed = train(args, mode, threads, out, args.steps + 1, "auto", "--checkpoint.interval", "0",
+                    "--checkpoint.no_save_final")
     if resumed.returncode:
         return {**row, "error": f"resume: {error_line(resumed)}"}
     load = LOADED.search(resumed.stderr)

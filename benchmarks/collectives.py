@@ -15,9 +15,9 @@ import subprocess
 
 import torch
 
-from fsdp_trainer.doctor import bus_factor
+from fsdp_trainer.doctor import bus_factor, last_report
 from results import exit_if_failed, print_table, write_results
-from runs import emit, error_line, report, run, torchrun
+from runs import emit, error_line, reported_row, run, torchrun
 
 COLUMNS = [("source", "source", "{}"), ("checks ok", "ok", "{}"), ("op", "op", "{}"), ("size", "bytes", "{:,}"),
            ("busbw GB/s", "busbw_gbps", "{:.1f}")]
@@ -47,19 +47,22 @@ def bare_all_reduce(iters: int = 20) -> None:
 
 
 def doctor_rows(proc: subprocess.CompletedProcess) -> list[dict]:
-    """The doctor's bandwidth rows, each with whether its checks passed (and which failed); its error if it
-    wrote no report."""
-    found = report(proc.stdout, prefix="")
+    """The doctor's bandwidth rows, each with whether its checks passed; with the error, the checks that failed or
+    why it exited non-zero, if it did not pass."""
+    found = last_report(proc.stdout)
     if found is None:
         return [{"source": "doctor", "ok": False, "error": error_line(proc)}]
     failed = [check["name"] for check in found["checks"] if not check["ok"]]
-    verdict = {"source": "doctor", "ok": found["ok"], **({"failed_checks": failed} if failed else {})}
+    verdict = {"source": "doctor", "ok": found["ok"]}
+    if failed:
+        verdict.update(failed_checks=failed, error=f"failed checks: {', '.join(failed)}")
+    elif proc.returncode:
+        verdict["error"] = error_line(proc)
     return [{**verdict, **r} for r in found["bandwidth"]] or [verdict]
 
 
 def bare_row(proc: subprocess.CompletedProcess) -> dict:
-    found = report(proc.stdout)
-    return {"source": "bare PyTorch + NCCL", "op": "all_reduce", **(found or {"error": error_line(proc)})}
+    return reported_row(proc, {"source": "bare PyTorch + NCCL", "op": "all_reduce"})
 
 
 def main() -> None:
@@ -72,8 +75,6 @@ def main() -> None:
     rows = doctor_rows(run([*torchrun(args.nproc), "-m", "fsdp_trainer.doctor", "--json"]))
     rows.append(bare_row(run([*torchrun(args.nproc), __file__, "--worker"])))
     print_table(rows, COLUMNS)
-    if "failed_checks" in rows[0]:
-        print(f"doctor: failed checks {', '.join(rows[0]['failed_checks'])}")
     write_results("collectives", rows, gpus=args.nproc)
     exit_if_failed(rows)
 

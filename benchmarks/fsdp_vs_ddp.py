@@ -27,7 +27,7 @@ from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_c
 from fsdp_trainer.optim import build_optimizer, build_scheduler
 from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile
 from results import exit_if_failed, print_table, write_results
-from runs import emit, error_line, report, run, torchrun
+from runs import emit, reported_row, run, torchrun
 
 COLUMNS = [("mode", "mode", "{}"), ("tokens/s/GPU", "tokens_per_s_per_gpu", "{:,.0f}"),
            ("TFLOPs/GPU", "tflops_per_gpu", "{:.1f}"), ("peak GiB", "peak_allocated_gib", "{:.1f}"),
@@ -109,7 +109,7 @@ def main() -> None:
     for mode in ("fsdp", "ddp"):
         proc = run([*torchrun(args.nproc), __file__, "--worker", mode, "--config", args.config, "--steps",
                     str(args.steps), "--warmup", str(args.warmup), "--", *args.extra])
-        rows.append(report(proc.stdout) or {"mode": mode, "error": error_line(proc)})
+        rows.append(reported_row(proc, {"mode": mode}))
         write_results("fsdp_vs_ddp", rows, gpus=args.nproc, plot=("tokens_per_s_per_gpu", "tokens/s/GPU"),
                       label="mode")
     print_table(rows, COLUMNS)

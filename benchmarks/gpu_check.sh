@@ -54,12 +54,10 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
 throughput() { python3 benchmarks/throughput.py --nproc "$NGPU" "$@"; }
-results_file() { echo "$(cd benchmarks && python3 -c "from results import result_dir; print(result_dir($NGPU))")/$1"; }
-# The first line of a results file this script writes itself: date, GPUs, torch, and the command that made it.
-results_header() {
-  echo "# $(date +%F), $NGPU x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)," \
-    "torch $(python3 -c 'import torch; print(torch.__version__)'): $*"
-}
+results_file() { echo "$(python3 benchmarks/results.py dir "$NGPU")/$1"; }
+# The first line of a results file this script writes itself, given the command that made it: what results.py
+# records in its JSON files (date, GPUs, torch and CUDA, the commit, the environment exported above).
+results_header() { python3 benchmarks/results.py header "$NGPU" "$@"; }
 EAGER_OP="eager opAC=--ac.mode op --parallel.no_compile"
 COMPILED_OP="compiled opAC=--ac.mode op"
 COMPILED_NONE="compiled noAC=--ac.mode none"
@@ -82,7 +80,9 @@ for PART in "$@"; do
         --variant "compiled noAC=--ac.mode none" \
         --variant "compiled opAC=--ac.mode op"
       python3 benchmarks/fsdp_vs_ddp.py --config configs/llama3_1b.toml --nproc "$NGPU" -- --ac.mode none
-      python3 benchmarks/scaling.py --config configs/llama3_1b.toml --gpus 1 2 4 8 --steps 25 ;;
+      counts=()  # 1, 2, 4, 8 up to NGPU, and NGPU
+      for n in 1 2 4 8; do if [ "$n" -lt "$NGPU" ]; then counts+=("$n"); fi; done
+      python3 benchmarks/scaling.py --config configs/llama3_1b.toml --gpus "${counts[@]}" "$NGPU" --steps 25 ;;
     8b)
       throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b \
         --variant "$EAGER_OP" --variant "$COMPILED_OP" \
@@ -120,7 +120,7 @@ for PART in "$@"; do
         --variant "$(env_lever "$COMPILED_OP" "coordinate descent" "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1")" ;;
     clocks)
       log=$(results_file clocks_llama3_8b.txt)
-      { results_header "bash benchmarks/gpu_check.sh $NGPU clocks"
+      { results_header bash benchmarks/gpu_check.sh "$NGPU" clocks
         nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv; } | tee "$log"
       for ac in none op full; do
         nvidia-smi --query-gpu=clocks.sm,power.draw,utilization.gpu --format=csv,noheader,nounits -lms 100 \
@@ -145,7 +145,7 @@ PY
       runs=${PROFILE_RUNS:-no_compile:op compile:op}
       suffix=${PROFILE_RUNS:+_$(echo "$runs" | tr ' :' '_-')}
       log=$(results_file "profile_llama3_8b$suffix.log")
-      results_header "PROFILE_RUNS=\"$runs\" bash benchmarks/gpu_check.sh $NGPU profile" | tee -a "$log"
+      results_header PROFILE_RUNS="$runs" bash benchmarks/gpu_check.sh "$NGPU" profile | tee -a "$log"
       traces=()
       for run in $runs; do
         compile=${run%%:*} ac=${run#*:}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -12,14 +13,14 @@ from typing import Optional
 
 import torch
 
-from runs import command_line
+from runs import command_line, split_environment
 
 RESULTS = Path(os.environ.get("BENCH_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
 """benchmarks/results/, or the folder BENCH_RESULTS_DIR names."""
 
 # Settings that change the numbers without appearing on the command line.
 RECORDED_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL", "TORCH_SYMM_MEM")
-RECORDED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")
+RECORDED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")
 
 
 def gpu_name() -> str:
@@ -53,6 +54,23 @@ def git_revision(checkout: Path = Path(__file__).parent) -> Optional[str]:
         return None
 
 
+def metadata(gpus: int, command: list[str]) -> dict:
+    """What a results file records besides its measurements: the date, the machine, torch and CUDA, the commit,
+    the environment settings that change results, and `command` after them (and after its own leading NAME=value
+    settings), so that pasting it reruns the measurement."""
+    env = recorded_env()
+    own, cmd = split_environment(command)
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": gpu_name(), "gpus": gpus,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "git": git_revision(), "environment": env,
+            "command": command_line(cmd, {**env, **own})}
+
+
+def header(meta: dict) -> str:
+    """`meta` as the first line of a text results file."""
+    return (f"# {meta['date']}, {meta['gpus']} x {meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
+            f"commit {meta['git']}: {meta['command']}")
+
+
 def write_results(name: str, rows: list[dict], *, gpus: int, plot: Optional[tuple[str, str]] = None,
                   label: str = "variant") -> Path:
     """<name>.json in result_dir(gpus): the rows, the machine, the commit, and this process's command after the
@@ -60,10 +78,7 @@ def write_results(name: str, rows: list[dict], *, gpus: int, plot: Optional[tupl
     `plot=(key, title)` beside it if matplotlib is installed.
 
     Scripts call it after every row: a sweep that is cut off (a job's time limit, a crash) keeps what it measured."""
-    env = recorded_env()
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": gpu_name(), "gpus": gpus,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "git": git_revision(), "environment": env,
-            "command": command_line([sys.executable, *sys.argv], env)}
+    meta = metadata(gpus, [sys.executable, *sys.argv])
     folder = result_dir(gpus)
     path = folder / f"{name}.json"
     path.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
@@ -108,3 +123,20 @@ def exit_if_failed(rows: list[dict]) -> None:
     failed = [r for r in rows if "error" in r]
     if failed:
         raise SystemExit(f"{len(failed)} of {len(rows)} runs failed")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="For gpu_check.sh, which writes some results files itself: "
+                                     "where they go, and the line they start with.")
+    parser.add_argument("what", choices=["dir", "header"],
+                        help="dir: the folder for results on GPUS GPUs; header: a file's first line, with what "
+                        "write_results records besides the rows")
+    parser.add_argument("gpus", type=int, metavar="GPUS")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="header: the command that made the file, after any NAME=value settings of its own")
+    args = parser.parse_args()
+    print(result_dir(args.gpus) if args.what == "dir" else header(metadata(args.gpus, args.command)))
+
+
+if __name__ == "__main__":
+    main()

@@ -16,6 +16,9 @@ RESULT = "RESULT "
 NO_CHECKPOINTS = ["--checkpoint.interval", "0", "--checkpoint.resume", "none", "--checkpoint.no_save_final"]
 """Trainer flags for a run that neither resumes nor saves: a measurement starts fresh and pays for no checkpoint."""
 
+ENV_ASSIGNMENT = re.compile(r"[A-Z_][A-Z0-9_]*=")
+"""A NAME=value word before a command: a setting of the command's environment."""
+
 # What a failed child's output says about why; torchrun ends with its own ChildFailedError and a banner, which
 # say only that a child failed.
 ERROR = re.compile(r"Error|error:|out of memory")
@@ -33,9 +36,19 @@ def train_command(nproc: int, config: str, *flags: str) -> list[str]:
     return [*torchrun(nproc), "-m", "fsdp_trainer.train", "--config", config, "--metrics.no_tensorboard", *flags]
 
 
+def split_environment(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    """(the leading NAME=value words, the command after them), as a shell reads a command line."""
+    env, rest = {}, list(words)
+    while rest and ENV_ASSIGNMENT.match(rest[0]):
+        key, _, value = rest.pop(0).partition("=")
+        env[key] = value
+    return env, rest
+
+
 def command_line(cmd: list[str], env: Optional[dict[str, str]] = None) -> str:
-    """The command as a shell runs it, after the environment settings it needs."""
-    return shlex.join([f"{k}={v}" for k, v in (env or {}).items()] + cmd)
+    """The command as a shell runs it, after the environment settings it needs. Only a setting's value is quoted:
+    a shell takes a quoted name (`'A=b c' cmd`) for the command itself."""
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()] + [shlex.join(cmd)])
 
 
 def run(cmd: list[str], env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
@@ -65,11 +78,17 @@ def emit(result: dict) -> None:
     print(RESULT + json.dumps(result), flush=True)
 
 
-def report(stdout: str, prefix: str = RESULT) -> Optional[dict]:
-    """The JSON on the last line of `stdout` that starts with `prefix`; None if there is none. The doctor's --json
-    report is its last line: prefix ""."""
-    lines = [line for line in stdout.strip().splitlines() if line.startswith(prefix)]
+def report(stdout: str) -> Optional[dict]:
+    """The JSON a worker emitted: on the last line of `stdout` that starts with RESULT; None if there is none."""
+    lines = [line for line in stdout.strip().splitlines() if line.startswith(RESULT)]
     try:
-        return json.loads(lines[-1][len(prefix):])
+        return json.loads(lines[-1][len(RESULT):])
     except (IndexError, json.JSONDecodeError):
         return None
+
+
+def reported_row(proc: subprocess.CompletedProcess, row: dict) -> dict:
+    """`row` with what its worker reported, and with the error if the run failed: no report, or a non-zero exit
+    status after one (another rank crashed, or the shutdown did), which a successful run does not have."""
+    found = report(proc.stdout) or {}
+    return {**row, **found, **({"error": error_line(proc)} if proc.returncode or not found else {})}

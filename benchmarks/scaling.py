@@ -3,8 +3,8 @@
     python benchmarks/scaling.py --config configs/llama3_8b.toml --gpus 1 2 4 8 -- --ac.mode op
 
 Efficiency at N GPUs = (tokens/s/GPU at N) / (tokens/s/GPU at the smallest count measured). A count larger than
-the visible GPUs is skipped; a count the model does not fit on shows FAILED with the error. Without GPUs every
-count runs as gloo processes on the CPU, for trying the script.
+the visible GPUs is skipped, and named; a count the model does not fit on shows FAILED with the error. Without GPUs
+every count runs as gloo processes on the CPU, for trying the script.
 """
 
 from __future__ import annotations
@@ -16,20 +16,22 @@ from pathlib import Path
 import torch
 
 from results import exit_if_failed, print_table, write_results
-from throughput import COLUMNS, VARIANT, run_variant
+from throughput import COLUMNS, VARIANT, add_window_arguments, check_windows, run_variant
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--log-every", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=10)
+    add_window_arguments(parser)
     parser.add_argument("extra", nargs="*", help="train flags for every run (after --)")
     args = parser.parse_args()
+    check_windows(parser, args)
     available = torch.cuda.device_count()
     counts = sorted({n for n in args.gpus if not available or n <= available})
+    skipped = sorted(set(args.gpus) - set(counts))
+    if skipped:
+        print(f"skipped --gpus {' '.join(map(str, skipped))}: more than the {available} GPUs here", flush=True)
     if not counts:
         raise SystemExit(f"no count in --gpus fits the {available} GPUs here")
     rows, base = [], None

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from results import exit_if_failed, print_table, write_results
-from runs import NO_CHECKPOINTS, command_line, error_line, run, train_command
+from runs import NO_CHECKPOINTS, command_line, error_line, run, split_environment, train_command
 
 COLUMNS = [("tokens/s/GPU", "tokens_per_s_per_gpu", "{:,.0f}"), ("TFLOPs/GPU", "tflops_per_gpu", "{:.1f}"),
            ("MFU %", "mfu", "{:.1%}"), ("active GiB", "mem_active_gib", "{:.1f}"),
@@ -38,18 +38,11 @@ COLUMNS = [("tokens/s/GPU", "tokens_per_s_per_gpu", "{:,.0f}"), ("TFLOPs/GPU", "
 AVERAGED = ("tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "data_ms", "forward_backward_ms", "optimizer_ms")
 VARIANT = ("variant", "variant", "{}")
 
-ENV_ASSIGNMENT = re.compile(r"[A-Z_][A-Z0-9_]*=")
-
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str], list[str]]:
     """'NAME=[ENV=value ...] FLAGS' -> (name, environment, train flags)."""
     name, _, flags = spec.partition("=")
-    words = shlex.split(flags)
-    env = {}
-    while words and ENV_ASSIGNMENT.match(words[0]):
-        key, _, value = words.pop(0).partition("=")
-        env[key] = value
-    return name.strip(), env, words
+    return (name.strip(), *split_environment(shlex.split(flags)))
 
 
 def run_variant(name: str, env: dict[str, str], overrides: list[str], args, workdir: Path) -> dict:
@@ -63,7 +56,10 @@ def run_variant(name: str, env: dict[str, str], overrides: list[str], args, work
         row["error"] = error_line(proc)
         return row
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    row.update(steady_state(rows, args.warmup))
+    try:
+        row.update(steady_state(rows, args.warmup))
+    except ValueError as err:  # the run logged fewer windows than asked (it stopped early): a failed row, not a crash
+        row["error"] = str(err)
     # The others' latest values; the planned-vs-measured peak is logged once, in the first window.
     row.update({key: r[key] for r in rows for _, key, _ in COLUMNS if key in r and key not in AVERAGED})
     return row
@@ -91,20 +87,40 @@ def steady_state(rows: list[dict], warmup: int) -> dict:
     return averaged
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--nproc", type=int, default=1, help="GPUs (processes) per run")
+def add_window_arguments(parser: argparse.ArgumentParser) -> None:
+    """--steps, --log-every and --warmup: how long each run trains, and which of its logging windows count."""
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=10,
                         help="logging windows that start before this step are left out of the averages")
+
+
+def check_windows(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any run trains, window arguments that leave steady_state nothing to average: a sweep would
+    otherwise fail every run only after training it."""
+    if args.steps < 1 or args.log_every < 1:
+        parser.error(f"--steps {args.steps} --log-every {args.log_every}: each must be at least 1")
+    # Windows start at step 0 and at every multiple of --log-every before --steps (the last ends at --steps).
+    first = max(0, -(-args.warmup // args.log_every) * args.log_every)  # the first start at or after --warmup
+    if first >= args.steps:
+        last = (args.steps - 1) // args.log_every * args.log_every
+        parser.error(f"--warmup {args.warmup}: a logging window must start at or after it and end by --steps "
+                     f"{args.steps}, and windows start at multiples of --log-every {args.log_every}: lower --warmup "
+                     f"to {last} or less, or raise --steps above {first}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--nproc", type=int, default=1, help="GPUs (processes) per run")
+    add_window_arguments(parser)
     parser.add_argument("--variant", action="append", required=True, metavar="NAME=FLAGS",
                         help="a name and the train flags that define it, after any NAME=value environment "
                         "settings for its run; repeat for each variant")
     parser.add_argument("--name", default="throughput", help="file name stem of the results")
     parser.add_argument("extra", nargs="*", help="flags added to every variant (after --)")
     args = parser.parse_args()
+    check_windows(parser, args)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.variant:

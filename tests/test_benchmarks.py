@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shlex
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from fsdp_trainer.doctor import FAULT_VAR
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -64,7 +67,8 @@ def test_plan_accuracy_runs_each_row_through_the_throughput_runner(monkeypatch, 
         inspect.signature(throughput.run_variant).bind(*args, **kwargs)  # raises on a stale call
         calls.append(args)
         return {"variant": args[0], "planned_peak_gib": 10.0, "measured_peak_gib": 8.0,
-                "planned_reserved_gib": 11.0, "mem_reserved_gib": 11.0}
+                "planned_reserved_gib": 11.0, "mem_reserved_gib": 11.0, "tokens_per_s_per_gpu": 5.0,
+                "forward_backward_ms": 900.0}
 
     monkeypatch.setattr(plan_accuracy, "run_variant", fake_run_variant)
     monkeypatch.setattr(results, "RESULTS", tmp_path)
@@ -73,7 +77,10 @@ def test_plan_accuracy_runs_each_row_through_the_throughput_runner(monkeypatch, 
     plan_accuracy.main()
     assert [c[0] for c in calls] == ["tiny"] and calls[0][2] == ["--ac.mode", "op"]
     assert "peak: planned  10.00 GiB, measured   8.00 GiB, +25.0%" in capsys.readouterr().out
-    assert json.loads(next(tmp_path.glob("*/plan_accuracy.json")).read_text())["gpus"] == 1
+    data = json.loads(next(tmp_path.glob("*/plan_accuracy.json")).read_text())
+    assert data["gpus"] == 1
+    # From step 0 on, its rates and step times would count compilation: the rows hold memory only.
+    assert "tokens_per_s_per_gpu" not in data["rows"][0] and "forward_backward_ms" not in data["rows"][0]
 
 
 def test_write_results_records_the_run_gpus_environment_commit_and_a_command_that_reruns_it(monkeypatch, tmp_path):
@@ -93,6 +100,15 @@ def test_write_results_records_the_run_gpus_environment_commit_and_a_command_tha
     assert data["git"] == results.git_revision()
     monkeypatch.setenv("GIT_DIR", str(tmp_path))  # not a repository: the revision is unknown, not an error
     assert json.loads(results.write_results("t", [], gpus=1).read_text())["git"] is None
+
+
+def test_a_recorded_command_runs_in_a_shell_with_its_settings():
+    """A setting's value may hold spaces (gpu_check.sh's PROFILE_RUNS): quoted whole, a shell would take the
+    setting for the command."""
+    from runs import command_line
+
+    line = command_line([sys.executable, "-c", "import os; print(os.environ['RUNS'])"], {"RUNS": "a:b c:d"})
+    assert subprocess.run(["bash", "-c", line], capture_output=True, text=True).stdout == "a:b c:d\n"
 
 
 def test_the_recorded_commit_says_when_the_code_that_ran_differs_from_it(tmp_path):
@@ -161,6 +177,64 @@ def test_steady_state_counts_windows_from_warmup_on_over_all_their_steps():
         steady_state(rows, warmup=9)
 
 
+def test_window_arguments_are_refused_exactly_where_no_window_would_count():
+    """For each --steps, --log-every and --warmup: refused up front if, and only if, steady_state would find no
+    window to average in the rows the trainer logs (every log_every steps, and the last step)."""
+    import argparse
+
+    from throughput import add_window_arguments, check_windows, steady_state
+
+    parser = argparse.ArgumentParser()
+    add_window_arguments(parser)
+    for steps, log_every, warmup in itertools.product((1, 4, 5, 8), (1, 2, 3, 5), (0, 1, 2, 3, 4, 5, 8)):
+        args = parser.parse_args(["--steps", str(steps), "--log-every", str(log_every), "--warmup", str(warmup)])
+        logged = [{"step": s, "tokens_per_s_per_gpu": 1.0} for s in range(1, steps + 1)
+                  if s % log_every == 0 or s == steps]
+        try:
+            steady_state(logged, warmup)
+        except ValueError:
+            with pytest.raises(SystemExit):
+                check_windows(parser, args)
+        else:
+            check_windows(parser, args)
+
+
+@pytest.mark.parametrize("script", ["throughput", "scaling"])
+def test_a_warmup_no_window_outlasts_is_refused_before_any_run(script, monkeypatch, capsys):
+    module = __import__(script)
+    monkeypatch.setattr(module, "run_variant", lambda *args: pytest.fail("trained before refusing"))
+    variants = ["--variant", "a="] if script == "throughput" else []
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--config", "configs/debug.toml", *variants, "--steps", "4",
+                                      "--log-every", "2", "--warmup", "4"])
+    with pytest.raises(SystemExit) as exited:
+        module.main()
+    assert exited.value.code == 2
+    assert "--warmup 4: a logging window must start at or after it and end by --steps 4, and windows start at " \
+        "multiples of --log-every 2: lower --warmup to 2 or less, or raise --steps above 4" in capsys.readouterr().err
+
+
+def test_a_run_that_logged_no_window_after_warmup_is_a_failed_row_and_the_sweep_goes_on(monkeypatch, tmp_path):
+    """A run that stopped early (a stop signal, say) logged fewer windows than its arguments promised."""
+    import results
+    import throughput
+
+    def stopped_after_step_2(cmd, env):
+        out = Path(cmd[cmd.index("--train.output_dir") + 1])
+        out.mkdir(parents=True)
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 2, "tokens_per_s_per_gpu": 1.0}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(throughput, "run", stopped_after_step_2)
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["throughput.py", "--config", "configs/debug.toml", "--steps", "4",
+                                      "--log-every", "2", "--warmup", "2", "--variant", "a=", "--variant", "b="])
+    with pytest.raises(SystemExit, match="2 of 2 runs failed"):
+        throughput.main()
+    rows = written(tmp_path, "throughput")["rows"]
+    assert [r["variant"] for r in rows] == ["a", "b"]
+    assert all(r["error"].startswith("no logging window starts at or after step 2") for r in rows)
+
+
 def run_script(script: str, *args: str, results_dir: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     """A benchmark script run as a user runs it, from the repository root, writing its results under results_dir."""
     return subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, text=True, capture_output=True,
@@ -181,6 +255,25 @@ def test_scaling_runs_one_and_two_ranks_with_the_smallest_as_baseline(tmp_path):
     one, two = data["rows"]
     assert (one["gpus"], two["gpus"]) == (1, 2) and one["efficiency"] == 1.0
     assert two["efficiency"] == pytest.approx(two["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"])
+
+
+def test_scaling_names_the_counts_it_skips(monkeypatch, tmp_path, capsys):
+    import results
+    import scaling
+
+    ran = []
+
+    def fake_run_variant(name, env, overrides, args, workdir):
+        ran.append(args.nproc)
+        return {"variant": name, "tokens_per_s_per_gpu": 1.0}
+
+    monkeypatch.setattr(scaling, "run_variant", fake_run_variant)
+    monkeypatch.setattr(scaling.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["scaling.py", "--config", "configs/debug.toml", "--gpus", "1", "2", "4", "8"])
+    scaling.main()
+    assert ran == [1, 2]
+    assert "skipped --gpus 4 8: more than the 2 GPUs here" in capsys.readouterr().out
 
 
 def test_ddp_gets_the_configs_ac_compile_and_compute_dtype(monkeypatch):
@@ -214,14 +307,38 @@ def test_fsdp_and_ddp_train_alike_on_two_cpu_ranks(tmp_path):
     assert fsdp["loss"] == pytest.approx(ddp["loss"], rel=1e-4)  # same weights, data, AC and arithmetic
 
 
+def test_fsdp_vs_ddp_counts_a_worker_that_failed_after_reporting_as_failed(monkeypatch, tmp_path):
+    import fsdp_vs_ddp
+    import results
+
+    def worker(cmd):
+        mode = cmd[cmd.index("--worker") + 1]
+        stdout = 'RESULT {"mode": "%s", "tokens_per_s_per_gpu": 1.0}\n' % mode
+        if mode == "fsdp":
+            return subprocess.CompletedProcess(cmd, 0, stdout, "")
+        return subprocess.CompletedProcess(cmd, 1, stdout, "RuntimeError: [rank1] hung up while shutting down\n")
+
+    monkeypatch.setattr(fsdp_vs_ddp, "run", worker)
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["fsdp_vs_ddp.py", "--config", str(ROOT / "configs/debug.toml")])
+    with pytest.raises(SystemExit, match="1 of 2 runs failed"):
+        fsdp_vs_ddp.main()
+    fsdp, ddp = written(tmp_path, "fsdp_vs_ddp")["rows"]
+    assert "error" not in fsdp
+    assert ddp == {"mode": "ddp", "tokens_per_s_per_gpu": 1.0,
+                   "error": "RuntimeError: [rank1] hung up while shutting down"}
+
+
 def test_checkpoint_io_loads_from_disk_and_records_a_failed_run(tmp_path):
-    args = ["--config", "configs/debug.toml", "--modes", "none", "--steps", "4", "--interval", "2", "--dir",
+    """Saves at step 3 and the last, 5; the resume to step 6 saves nothing, though the interval divides 6."""
+    args = ["--config", "configs/debug.toml", "--modes", "none", "--steps", "5", "--interval", "3", "--dir",
             str(tmp_path / "ckpt"), "--", *SMALL]
     (tmp_path / "ckpt").mkdir()
     proc = run_script("checkpoint_io.py", *args, results_dir=tmp_path / "ok")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = written(tmp_path / "ok", "checkpoint_io_debug")["rows"]
     assert row["saves"] == 2 and row["load_s"] > 0 and row["load_page_cache_dropped_gb"] > 0
+    assert "checkpoint step 6" not in proc.stderr and "step 6/6" in proc.stderr  # the resumed run's log's end
     proc = run_script("checkpoint_io.py", *args, "--train.micro_batch_size", "0", results_dir=tmp_path / "bad")
     assert proc.returncode == 1
     (row,) = written(tmp_path / "bad", "checkpoint_io_debug")["rows"]
@@ -253,12 +370,33 @@ def test_collectives_reads_the_doctors_last_line_and_records_every_failure():
     # NCCL_DEBUG=INFO writes to stdout too
     doctor = subprocess.CompletedProcess([], 1, "node:1:1 [0] NCCL INFO Bootstrap\n" + json.dumps(report) + "\n", "")
     assert doctor_rows(doctor) == [{"source": "doctor", "ok": False, "failed_checks": ["all_gather"],
-                                    "op": "all_reduce", "bytes": 1024, "busbw_gbps": 1.0}]
+                                    "error": "failed checks: all_gather", "op": "all_reduce", "bytes": 1024,
+                                    "busbw_gbps": 1.0}]
     crashed = subprocess.CompletedProcess([], 1, "", "RuntimeError: NCCL error: unhandled system error\n=====\n")
     assert doctor_rows(crashed) == [{"source": "doctor", "ok": False,
                                      "error": "RuntimeError: NCCL error: unhandled system error"}]
+    # Every check passed, yet the doctor exited 1 (a rank that died at exit): a failed run too.
+    passed = {**report, "ok": True, "checks": report["checks"][:1]}
+    died = subprocess.CompletedProcess([], 1, json.dumps(passed) + "\n", "RuntimeError: rank 1 died\n")
+    assert doctor_rows(died)[0]["error"] == "RuntimeError: rank 1 died"
     assert bare_row(crashed)["error"] == "RuntimeError: NCCL error: unhandled system error"
-    assert bare_row(subprocess.CompletedProcess([], 0, 'RESULT {"busbw_gbps": 300.0}\n', ""))["busbw_gbps"] == 300.0
+    measured = 'RESULT {"busbw_gbps": 300.0}\n'
+    assert bare_row(subprocess.CompletedProcess([], 0, measured, ""))["busbw_gbps"] == 300.0
+    # rank 0 reported, then the group failed
+    failed = bare_row(subprocess.CompletedProcess([], 1, measured, "RuntimeError: NCCL error: remote process exited\n"))
+    assert failed["busbw_gbps"] == 300.0 and failed["error"] == "RuntimeError: NCCL error: remote process exited"
+
+
+def test_collectives_fails_when_the_doctors_checks_fail(tmp_path):
+    """The doctor on two gloo ranks, rank 1 contributing wrong data: its row holds the checks that failed as the
+    error. (On CPU the bare NCCL loop cannot run at all: its row fails too.)"""
+    proc = subprocess.run([sys.executable, "benchmarks/collectives.py", "--nproc", "2"], cwd=ROOT, text=True,
+                          capture_output=True, timeout=120,
+                          env={**os.environ, "BENCH_RESULTS_DIR": str(tmp_path), FAULT_VAR: "wrong:rank=1"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    doctor = written(tmp_path, "collectives")["rows"][0]
+    assert doctor["source"] == "doctor" and not doctor["ok"]
+    assert doctor["error"] == f"failed checks: {', '.join(doctor['failed_checks'])}" and doctor["failed_checks"]
 
 
 def test_attention_times_each_step_from_fresh_gradients():
@@ -272,19 +410,102 @@ def test_attention_times_each_step_from_fresh_gradients():
     assert torch.equal(q.grad, once)
 
 
-def test_gpu_check_runs_every_part_after_a_failure_and_exits_non_zero(tmp_path):
-    """With stand-ins for nvidia-smi and python3 (whose pytest fails): the failed part is reported, later parts
-    still run, and one GPU gets no 2-rank collectives."""
+@pytest.mark.parametrize("failing", [None, "flash"])
+def test_attention_fails_on_any_error_but_the_known_missing_gqa_kernel(failing, monkeypatch, tmp_path):
+    """SDPA as on a GPU, run on the CPU: the memory-efficient backend has no kernel for grouped KV heads (the row's
+    answer, not a failure), and the `failing` backend runs out of memory (a failure)."""
+    import contextlib
+    import types
+
+    import attention
+    import results
+
+    backends = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def gpu_sdpa(q, k, v, is_causal, enable_gqa=False):
+        chosen = backends[-1] if backends else None
+        if chosen == attention.BACKENDS["efficient"] and enable_gqa:
+            raise RuntimeError("No available kernel. Aborting execution.\n(details)")
+        if failing and chosen == attention.BACKENDS[failing]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return sdpa(q, k, v, is_causal=is_causal, enable_gqa=enable_gqa)
+
+    @contextlib.contextmanager
+    def sdpa_kernel(chosen):
+        backends.extend(chosen)
+        yield
+        backends.pop()
+
+    def time_ms(fn):
+        fn()
+        return 1.0
+
+    randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *shape, device, **kwargs: randn(*shape, **kwargs))  # on the CPU
+    monkeypatch.setattr(attention, "F", types.SimpleNamespace(scaled_dot_product_attention=gpu_sdpa))
+    monkeypatch.setattr(attention, "sdpa_kernel", sdpa_kernel)
+    monkeypatch.setattr(attention, "time_ms", time_ms)
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["attention.py", "--seq", "8"])
+    if failing:
+        with pytest.raises(SystemExit, match="2 of 8 runs failed"):
+            attention.main()
+    else:
+        attention.main()
+    rows = {(r["layout"], r["backend"]): r for r in written(tmp_path, "attention")["rows"]}
+    assert rows[attention.GQA, "efficient"] == {"layout": attention.GQA, "backend": "efficient",
+                                                 "no_kernel": "No available kernel. Aborting execution."}
+    assert [key for key, r in rows.items() if "error" in r] == ([(attention.GQA, failing), ("expanded kv", failing)]
+                                                                if failing else [])
+
+
+def gpu_check(tmp_path: Path, *args: str,
+              results_dir: Path | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """gpu_check.sh with stand-ins for nvidia-smi and python3, from an empty folder: python3 logs its arguments and
+    succeeds, except that pytest fails and benchmarks/results.py runs for real. (the run, python3's calls)"""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA Test GPU'\n")
     (bin_dir / "python3").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\n'
-                                     'case "$*" in *pytest*) exit 1 ;; esac\n')
+                                     'case "$*" in *pytest*) exit 1 ;;\n'
+                                     f'  benchmarks/results.py*) cd {ROOT} && exec {sys.executable} "$@" ;; esac\n')
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != "BENCH_RESULTS_DIR"}
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), "1", "tests", "collectives"], cwd=tmp_path,
+    env = {k: v for k, v in os.environ.items() if k not in ("BENCH_RESULTS_DIR", "PYTORCH_CUDA_ALLOC_CONF")}
+    if results_dir:
+        env["BENCH_RESULTS_DIR"] = str(results_dir)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), *args], cwd=tmp_path,
                           env={**env, "PATH": f"{bin_dir}:{env['PATH']}"}, text=True, capture_output=True, timeout=60)
+    return proc, (tmp_path / "calls").read_text().splitlines()
+
+
+def test_gpu_check_runs_every_part_after_a_failure_and_exits_non_zero(tmp_path):
+    """The failed part is reported, later parts still run, and one GPU gets no 2-rank collectives."""
+    proc, calls = gpu_check(tmp_path, "1", "tests", "collectives")
     assert proc.returncode == 1 and "FAILED: tests" in proc.stdout
-    calls = (tmp_path / "calls").read_text().splitlines()
     assert [c for c in calls if "collectives.py" in c] == ["benchmarks/collectives.py --nproc 1"]
+
+
+@pytest.mark.parametrize("ngpu,counts", [("1", "1"), ("2", "1 2"), ("3", "1 2 3"), ("4", "1 2 4"), ("8", "1 2 4 8")])
+def test_gpu_check_scales_weakly_up_to_the_gpus_it_was_given(ngpu, counts, tmp_path):
+    proc, calls = gpu_check(tmp_path, ngpu, "small")
+    assert proc.returncode == 0, proc.stdout
+    (scaling,) = [c for c in calls if "scaling.py" in c]
+    assert f" --gpus {counts} --steps" in scaling
+
+
+def test_gpu_check_s_own_files_start_with_what_the_json_files_record(tmp_path):
+    """The header of profile_llama3_8b.log: the commit, torch and CUDA, and the environment gpu_check.sh exports
+    in the command. (The stand-in python3 trains nothing, so the profile part itself fails.)"""
+    from results import git_revision
+
+    gpu_check(tmp_path, "1", "profile", results_dir=tmp_path / "results")
+    (log,) = (tmp_path / "results").glob("*x1/profile_llama3_8b.log")
+    header = log.read_text().splitlines()[0]
+    assert header.startswith("# ") and f"torch {torch.__version__}, CUDA {torch.version.cuda}" in header
+    assert f"commit {git_revision()}: " in header
+    command = shlex.split(header.partition(f"commit {git_revision()}: ")[2])
+    assert {"NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1",
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"} <= set(command)
+    assert command[-5:] == ["PROFILE_RUNS=no_compile:op compile:op", "bash", "benchmarks/gpu_check.sh", "1", "profile"]
