@@ -1,4 +1,4 @@
-"""Shared test helpers: run a function on N real gloo ranks, tiny configs, full state dicts."""
+"""Shared test helpers: run a function on N real gloo ranks, tiny configs, op counts, FSDP2 gather state, launches."""
 
 from __future__ import annotations
 
@@ -9,13 +9,18 @@ import subprocess
 import sys
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_trainer.config import Config
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Command-line flags for a model and batch small enough that a few steps on several CPU ranks take seconds.
 TINY_FLAGS = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
@@ -99,6 +104,28 @@ def tiny_config(**sections) -> Config:
     return cfg
 
 
+# The op that F.scaled_dot_product_attention runs on CPU, in forward only (its backward is another op).
+SDPA = "_scaled_dot_product_flash_attention_for_cpu"
+
+
+class OpCounter(TorchDispatchMode):
+    """How many times each aten op runs inside the `with` block, by name (`counts["mm"]`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def is_gathered(module: torch.nn.Module) -> bool:
+    """Whether a module that FSDP2 shards holds its gathered parameters now: from its all-gather to its reshard,
+    FSDP2 swaps the module's DTensor shards for plain tensors."""
+    return not isinstance(next(module.parameters()), DTensor)
+
+
 def launch_fault(fault: str, rank: str, step: int, *train_flags: str, nproc: int = 2,
                  timeout: float = 180) -> tuple[subprocess.CompletedProcess, float]:
     """tests/fault_worker.py under torchrun: the trainer with every one of `train_flags`, and `fault` injected on
@@ -106,5 +133,8 @@ def launch_fault(fault: str, rank: str, step: int, *train_flags: str, nproc: int
     worker = Path(__file__).with_name("fault_worker.py")
     cmd = [*TORCHRUN, f"--nproc_per_node={nproc}", str(worker), fault, rank, str(step), "--", *train_flags]
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    # The checkout under test, not an installed copy of the package: a script's own folder (tests/) is all that
+    # Python puts on its path.
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=timeout)
     return proc, time.monotonic() - start

@@ -96,10 +96,15 @@ def test_run_sh_dry_run():
     cmd = printed_command(result.stdout)
     assert cmd[0] == "torchrun" and "--standalone" in cmd and "--nproc-per-node=4" in cmd
     assert "--local-ranks-filter=0" in cmd
+    # By default one node restarts nothing (multinode.sh and slurm.sbatch restart 3 times) and keeps no log files.
+    assert "--max-restarts=0" in cmd and not any(w.startswith(("--log-dir", "--tee")) for w in cmd)
     assert cmd[cmd.index("-m"):] == ["-m", "fsdp_trainer.train", "--config", "configs/debug.toml",
                                      "--train.steps", "5", "--parallel.no_compile"]
     all_ranks = script("run.sh", env=launch_env(DRY_RUN="1", NGPU="2", LOG_RANKS="all"))
     assert not any(w.startswith("--local-ranks-filter") for w in printed_command(all_ranks.stdout))
+    # LOG_DIR: every rank's stdout and stderr in files there (--tee=3: both streams), the console filtered as before.
+    logged = printed_command(script("run.sh", env=launch_env(DRY_RUN="1", NGPU="2", LOG_DIR="/logs/run 1")).stdout)
+    assert {"--log-dir=/logs/run 1", "--tee=3", "--local-ranks-filter=0"} <= set(logged)
 
 
 def test_run_sh_runs_torchrun_with_defaults(tmp_path):

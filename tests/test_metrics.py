@@ -93,3 +93,34 @@ def test_tensorboard_after_a_resume_shows_each_step_once(monkeypatch, tmp_path):
     events.Reload()
     scalars = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert scalars == [(step, 1.0) for step in range(1, 11)] + [(step, 2.0) for step in range(11, 31)]
+
+
+def test_tflops_and_mfu_follow_the_tokens_per_second_of_each_window(monkeypatch, tmp_path):
+    """TFLOPs/GPU = tokens/s/GPU x FLOPs per token / 1e12, and MFU = that / the GPU's peak, per logging window:
+    here on an A100 (312 TFLOP/s), and on the CPU, which has no peak, on a clock that moves only when told to."""
+    from fsdp_trainer import metrics
+
+    now = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(metrics, "memory_gib", lambda device: {})
+
+    def rows(device: str, seconds_per_window: list[float]) -> list[dict]:
+        """8 GPUs, 8000 tokens and 6.24e9 FLOPs per token: the rows of 10-step windows of the given lengths."""
+        m = metrics.Metrics(device=torch.device(device), total_steps=100, tokens_per_step=8000, world_size=8,
+                            flops_per_token=6.24e9, output_dir=tmp_path, tensorboard=False, is_main=False)
+        m.start(0)
+        logged = []
+        for window, seconds in enumerate(seconds_per_window, 1):
+            now[0] += seconds
+            logged.append(m.log(10 * window, 1.0, 1.0, 1e-3))
+        return logged
+
+    # 10 steps x 8000 tokens / 2 s / 8 GPUs = 5000 tokens/s/GPU; x 6.24e9 FLOPs = 31.2 TFLOP/s, 10% of 312. The
+    # next 10 steps in 4 s: half of each.
+    a100 = rows("cuda", [2.0, 4.0])
+    assert [r["tokens_per_s_per_gpu"] for r in a100] == pytest.approx([5000, 2500])
+    assert [r["tflops_per_gpu"] for r in a100] == pytest.approx([31.2, 15.6])
+    assert [r["mfu"] for r in a100] == pytest.approx([0.10, 0.05])
+    [cpu] = rows("cpu", [2.0])
+    assert cpu["tflops_per_gpu"] == pytest.approx(31.2) and "mfu" not in cpu

@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_trainer.models.llama import ModelArgs, TransformerBlock, build
 from fsdp_trainer.parallelize import apply_ac, apply_fsdp, blocks_of
 
-from helpers import run_ranks
+from helpers import SDPA, OpCounter, is_gathered, run_ranks
 
 ARGS = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim_multiplier=1.0,
                  multiple_of=32, max_seq_len=64, rope_theta=10000.0)
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _grads_and_backward_ops(mode: str, every: int = 2):
@@ -43,20 +30,21 @@ def _grads_and_backward_ops(mode: str, every: int = 2):
 
 def test_every_ac_mode_gives_the_gradients_of_no_ac_and_recomputes_what_it_should():
     reference, base = _grads_and_backward_ops("none")
-    assert base["silu"] == 0
+    assert base["silu"] == base[SDPA] == 0
     # q, k, v, o, w1, w3 per block: recomputation stops early before w2, whose output backward never needs.
     forward_mms = 6 * ARGS.n_layers
-    expected = {  # mode: (forward matmuls recomputed, blocks whose SwiGLU activation is recomputed)
-        "full": (forward_mms, ARGS.n_layers),
-        "selective": (forward_mms // 2, ARGS.n_layers // 2),
-        "op": (0, ARGS.n_layers),  # matmul outputs saved, the cheap elementwise ops recomputed
+    expected = {  # mode: (forward matmuls recomputed, blocks whose SwiGLU activation, and attention, is recomputed)
+        "full": (forward_mms, ARGS.n_layers, ARGS.n_layers),
+        "selective": (forward_mms // 2, ARGS.n_layers // 2, ARGS.n_layers // 2),
+        "op": (0, ARGS.n_layers, 0),  # matmul and attention outputs saved, the cheap elementwise ops recomputed
     }
-    for mode, (mms, silus) in expected.items():
+    for mode, (mms, silus, attentions) in expected.items():
         grads, ops = _grads_and_backward_ops(mode)
         for name, grad in reference.items():
             torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
         assert ops["mm"] - base["mm"] == mms, mode
         assert ops["silu"] == silus, mode
+        assert ops[SDPA] == attentions, mode
 
 
 def test_blocks_of_names_the_missing_block_type():
@@ -164,8 +152,6 @@ def record_prefetch(prefetches):
 def gathered_after_forward(cases):
     """For each (reshard_after_forward, keep_gathered, embedding in a group of its own): which blocks, and whether
     the embedding, still hold gathered (plain tensor) parameters between forward and backward."""
-    from torch.distributed.tensor import DTensor
-
     from fsdp_trainer import distributed
     from fsdp_trainer.parallelize import init_weights
     distributed.init()
@@ -178,8 +164,8 @@ def gathered_after_forward(cases):
                    param_dtype=torch.float32, reshard_after_forward=reshard, keep_gathered=keep_gathered)
         init_weights(model, torch.device("cpu"))
         model(torch.zeros(1, 8, dtype=torch.long)).sum()
-        blocks = [i for i, block in enumerate(model.layers) if not isinstance(block.attention.wq.weight, DTensor)]
-        results.append((blocks, not isinstance(model.tok_embeddings.weight, DTensor)))
+        results.append(([i for i, block in enumerate(model.layers) if is_gathered(block)],
+                        is_gathered(model.tok_embeddings)))
     return results
 
 
