@@ -126,6 +126,14 @@ def is_gathered(module: torch.nn.Module) -> bool:
     return not isinstance(next(module.parameters()), DTensor)
 
 
+def checkout_env(**settings: str) -> dict[str, str]:
+    """This process's environment, with this checkout first on PYTHONPATH (ahead of an installed copy of the
+    package, and of what PYTHONPATH held, which stays), and `settings` added: for a subprocess that must run the
+    code under test. A script's own folder (tests/) is all that Python puts on its path otherwise."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **settings}
+
+
 def launch_fault(fault: str, rank: str, step: int, *train_flags: str, nproc: int = 2,
                  timeout: float = 180) -> tuple[subprocess.CompletedProcess, float]:
     """tests/fault_worker.py under torchrun: the trainer with every one of `train_flags`, and `fault` injected on
@@ -133,8 +141,5 @@ def launch_fault(fault: str, rank: str, step: int, *train_flags: str, nproc: int
     worker = Path(__file__).with_name("fault_worker.py")
     cmd = [*TORCHRUN, f"--nproc_per_node={nproc}", str(worker), fault, rank, str(step), "--", *train_flags]
     start = time.monotonic()
-    # The checkout under test, not an installed copy of the package: a script's own folder (tests/) is all that
-    # Python puts on its path.
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env=checkout_env(), capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - start

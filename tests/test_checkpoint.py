@@ -26,7 +26,7 @@ from fsdp_trainer.models.llama import build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler
 from fsdp_trainer.train import build_model, main, run
 
-from helpers import TINY_FLAGS, TORCHRUN, run_ranks
+from helpers import TINY_FLAGS, TORCHRUN, checkout_env, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("fault_worker.py")
@@ -44,7 +44,7 @@ def torchrun_cmd(nproc: int, out: Path, *flags: str) -> list[str]:
 def torchrun(nproc: int, out: Path, *flags: str, crash: str = "", ok: bool = True) -> str:
     """Run a training job to its end, expecting exit code 0 if ok else a failure; returns its stdout and stderr.
     `crash` sets the test hook that SIGKILLs ranks during a save (see checkpoint._test_crash)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "FSDP_TRAINER_TEST_CRASH": crash}
+    env = checkout_env(FSDP_TRAINER_TEST_CRASH=crash)
     proc = subprocess.run(torchrun_cmd(nproc, out, *flags), cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=180)
     output = proc.stdout + proc.stderr
@@ -159,7 +159,7 @@ def test_stop_signal_to_one_rank_saves_and_exits_0(reference, tmp_path):
     out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
     cmd = [*TORCHRUN, "--nproc_per_node=2", str(WORKER), "term", "1", "3", "--", *TINY, "--train.output_dir", str(out),
            "--train.steps", "1000", "--checkpoint.interval", "0", "--checkpoint.interval_minutes", "1e-9"]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=REPO, env=checkout_env(), capture_output=True, text=True,
                           timeout=180)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
@@ -885,7 +885,7 @@ def test_signal_handlers_restored_and_second_signal_exits_at_once():
               "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2); print('first:', s.received, flush=True)\n"
               "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(10); print('still running')\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=checkout_env())
     assert proc.returncode == 128 + signal.SIGUSR1
     assert "first: SIGTERM" in proc.stdout and "still running" not in proc.stdout
     assert "second stop signal (SIGUSR1): exiting now" in proc.stderr

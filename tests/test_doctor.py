@@ -15,7 +15,7 @@ import pytest
 from fsdp_trainer import doctor
 from fsdp_trainer.doctor import FAULT_VAR, DoctorArgs, bus_factor, parse_sizes
 
-from helpers import TORCHRUN
+from helpers import TORCHRUN, checkout_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv_ring"]
@@ -26,8 +26,8 @@ def run_doctor(*args: str, nproc: int = 0, fault: str = "", timeout: float = 60,
     """(completed process, seconds) of `python -m fsdp_trainer.doctor`, under torchrun when nproc > 0, with `path`
     searched first for programs and `pythonpath` for modules."""
     launcher = [*TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
-    env = {k: v for k, v in os.environ.items() if k != FAULT_VAR} | {
-        "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, str(ROOT)]))}
+    env = {k: v for k, v in checkout_env().items() if k != FAULT_VAR}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env["PYTHONPATH"]]))
     if path:
         env["PATH"] = f"{path}{os.pathsep}{env['PATH']}"
     if fault:
@@ -90,7 +90,7 @@ def test_failed_run_exits_without_waiting_on_the_group_teardown():
               "from fsdp_trainer import distributed, doctor\n"
               "distributed.shutdown = threading.Event().wait\n"
               "doctor.main(['--sizes', '0'])\n")
-    env = os.environ | {"PYTHONPATH": str(ROOT), FAULT_VAR: "wrong:rank=0"}
+    env = checkout_env(**{FAULT_VAR: "wrong:rank=0"})
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 1 and "== result: FAIL ==" in proc.stdout, proc.stdout + proc.stderr
@@ -272,7 +272,7 @@ def two_node_doctor(fault: str = "") -> dict:
     """The doctor on two "nodes" of two ranks on this host (two torchrun agents meeting in a c10d rendezvous, as on
     two machines): rank 0's JSON report."""
     from helpers import free_port
-    env = {k: v for k, v in os.environ.items() if k != FAULT_VAR} | {"PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in checkout_env().items() if k != FAULT_VAR}
     if fault:
         env[FAULT_VAR] = fault
     port = free_port()

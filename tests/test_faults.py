@@ -20,7 +20,7 @@ import torch
 
 from fsdp_trainer.config import parse_args
 
-from helpers import TINY_FLAGS, launch_fault, run_ranks
+from helpers import TINY_FLAGS, checkout_env, launch_fault, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [*TINY_FLAGS, "--data.source", "synthetic"]
@@ -129,7 +129,7 @@ def test_a_watchdog_that_cannot_reach_the_store_says_so(tmp_path):
         time.sleep(60)
     """
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=checkout_env())
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "(busy, at <module> (<string>:" in proc.stderr  # where this rank itself is stuck: the sleep
     assert "and the c10d store (on the rendezvous host) cannot be reached (Connection reset by peer)" in proc.stderr
