@@ -80,9 +80,9 @@ for PART in "$@"; do
         --variant "compiled noAC=--ac.mode none" \
         --variant "compiled opAC=--ac.mode op"
       python3 benchmarks/fsdp_vs_ddp.py --config configs/llama3_1b.toml --nproc "$NGPU" -- --ac.mode none
-      counts=()  # 1, 2, 4, 8 up to NGPU, and NGPU
+      counts=()  # 1, 2, 4, 8 up to NGPU, and NGPU (the +: bash before 4.4 calls an empty array unbound under set -u)
       for n in 1 2 4 8; do if [ "$n" -lt "$NGPU" ]; then counts+=("$n"); fi; done
-      python3 benchmarks/scaling.py --config configs/llama3_1b.toml --gpus "${counts[@]}" "$NGPU" --steps 25 ;;
+      python3 benchmarks/scaling.py --config configs/llama3_1b.toml --gpus ${counts[@]+"${counts[@]}"} "$NGPU" --steps 25 ;;
     8b)
       throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b \
         --variant "$EAGER_OP" --variant "$COMPILED_OP" \

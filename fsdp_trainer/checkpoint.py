@@ -687,7 +687,7 @@ class Checkpointer:
                 path = resolve(resume, "--checkpoint.resume")
                 # From this folder, its earlier checkpoints are this run's past; from elsewhere, any checkpoint here
                 # is another run's, which resume auto could pick, or retention delete as this run's own.
-                here = path.parent.resolve() == self.root.resolve()
+                here = path.resolve().parent == self.root.resolve()  # where it is, not where a link to it is
                 self._refuse_mixing(after_step=read_trainer_state(path)["step"] if here else -1,
                                     flag=f"--checkpoint.resume {path}")
                 return str(path), named

@@ -35,11 +35,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_trainer.distributed import logger
 
 EXIT_HANG = 3
-REPORT = "fsdp_trainer/stalled/{}"
-ALARM = "fsdp_trainer/stalled/alarm"  # set by the first watchdog to time out: the others report at once
+# Per torchrun restart: a restarted job must not read the reports or the alarm of the attempt before.
+_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+REPORT = f"fsdp_trainer/stalled/{_ATTEMPT}/{{}}"
+ALARM = f"fsdp_trainer/stalled/{_ATTEMPT}/alarm"  # set by the first watchdog to time out: the others report at once
 # What a rank does while its watchdog is paused, as its report says.
 CHECKPOINTING, WRITING_PROFILE = "checkpointing", "writing a profile"
-WITHIN_TIMEOUT = "within its timeout"  # a rank that answered the alarm while it still made progress
 # Calls whose line, as the innermost frame of a stalled main thread, means it waits for the GPU (which may wait for
 # a peer in a collective) or for a collective of its own. Python cannot see which C call a frame is in.
 _WAITS = (".item()", ".tolist()", "synchronize(", ".wait()")
@@ -133,16 +134,12 @@ class Watchdog:
             if time.monotonic() - self.last_progress < self.timeout:
                 answered = answered or self._answer_alarm()
                 continue
-            state, location = _main_thread_location()
-            if state == "busy" and not self._gpu_drains():
-                # Under NCCL the CPU of a rank whose peer hangs is stopped by its GPU (in the autograd engine, or
-                # launching into a full queue), not in a wait of its own: its GPU is what waits, in a collective.
-                state = "waiting"
+            state, location = self._where()
             try:
                 # Say where this rank is stuck, raise the alarm, and give the other ranks' watchdogs two polls to
                 # report. A store that cannot be reached answers within 5 s instead of after its own timeout.
                 self.store.set_timeout(datetime.timedelta(seconds=5))
-                self._publish_report(state, location)
+                self._publish_report(state, location, within_timeout=False)
                 self.store.set(ALARM, str(self.rank))
                 self._wait_for_reports(2 * poll)
                 logger.error(self.report())
@@ -156,15 +153,24 @@ class Watchdog:
                     handler.flush()
                 os._exit(EXIT_HANG)
 
-    def _publish_report(self, state: str, location: str) -> None:
-        self.store.set(REPORT.format(self.rank), json.dumps([self.step, state, location]))
+    def _where(self) -> tuple[str, str]:
+        state, location = _main_thread_location()
+        if state == "busy" and not self._gpu_drains():
+            # Under NCCL the CPU of a rank whose peer hangs is stopped by its GPU (in the autograd engine, or
+            # launching into a full queue), not in a wait of its own: its GPU is what waits, in a collective.
+            state = "waiting"
+        return state, location
+
+    def _publish_report(self, state: str, location: str, within_timeout: bool) -> None:
+        self.store.set(REPORT.format(self.rank), json.dumps([self.step, state, location, within_timeout]))
 
     def _answer_alarm(self) -> bool:
-        """If another rank's watchdog has timed out, report that this one still makes progress; True once done."""
+        """If another rank's watchdog has timed out, report where this one is, as still within its own timeout;
+        True once done."""
         try:
             if not self.store.check([ALARM]):
                 return False
-            self._publish_report(WITHIN_TIMEOUT, _main_thread_location()[1])
+            self._publish_report(*self._where(), within_timeout=True)
             return True
         except Exception:  # noqa: BLE001 - an unreachable store is reported by the rank that timed out
             return False
@@ -233,6 +239,7 @@ class Watchdog:
                     raise
                 # Withdrawn between the check and the read: the rank left a checkpoint save just now, so it lives.
         high = max(report[0] for report in reports.values() if report)
+        behind = any(report and report[0] < high for report in reports.values())
         suspects = {}
         for r, report in reports.items():
             if report is None:
@@ -241,9 +248,9 @@ class Watchdog:
                 suspects[r] = f"still writing its profile, at {report[2]}; profile fewer steps (profile.steps)"
             elif report[0] < high:
                 suspects[r] = f"finished step {report[0]} while others finished step {high}"
-            elif report[1] == WITHIN_TIMEOUT:  # it made progress less than a timeout ago
-                continue
-            elif report[1] == "busy":
+            # Busy: a suspect, unless a rank behind explains the stall and this one, answering the alarm within its
+            # own timeout, is busy with the steps it ran ahead.
+            elif report[1] == "busy" and not (behind and report[3:] == [True]):
                 suspects[r] = f"busy outside any collective or GPU sync, at {report[2]}"
         if suspects:
             verdict = "suspect rank(s): " + "; ".join(f"{r} ({why})" for r, why in sorted(suspects.items()))

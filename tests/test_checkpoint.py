@@ -789,6 +789,10 @@ def test_resuming_from_elsewhere_into_a_folder_with_older_checkpoints_of_another
     assert "already holds checkpoints step_00000002 that this run would mix with its own (resume auto would later " \
         "pick them, or retention delete them)" in capfd.readouterr().err
     assert tree(out / "checkpoints") == kept
+    # A link elsewhere to a checkpoint of this folder names this folder's past: it resumes.
+    (tmp_path / "latest").symlink_to(out / "checkpoints/step_00000002")
+    main([*flags, "--checkpoint.resume", str(tmp_path / "latest")])
+    assert f"resuming from {tmp_path / 'latest'}: step 2" in capfd.readouterr().err
 
 
 def test_each_way_past_a_corrupt_checkpoint_works(small, tmp_path, capfd):

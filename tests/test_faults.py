@@ -111,6 +111,31 @@ def test_a_report_withdrawn_while_it_is_read_is_not_taken_for_a_dead_rank_or_a_d
     assert "every rank finished step 5" in report and "sent no report" not in report, report
 
 
+@pytest.mark.parametrize("busy_step,other_step,suspects", [
+    (0, 0, "suspect rank(s): 0 (busy outside any collective or GPU sync, at loop)"),  # stuck: its timeout came later
+    (4, 2, "suspect rank(s): 1 (finished step 2 while others finished step 4)"),  # busy with the steps it ran ahead
+])
+def test_a_rank_that_answers_the_alarm_busy_is_a_suspect_unless_another_is_behind(busy_step, other_step, suspects):
+    """Rank 0 answered rank 1's alarm within its own timeout (its watchdog started, or its last step ended, later),
+    busy outside any collective: stuck, unless rank 1 is behind it."""
+    from fsdp_trainer.faults import REPORT, Watchdog
+
+    class Store:
+        keys = {REPORT.format(0): json.dumps([busy_step, "busy", "loop", True]),
+                REPORT.format(1): json.dumps([other_step, "waiting" if busy_step == other_step else "busy", "b", False])}
+
+        def check(self, keys):
+            return all(key in self.keys for key in keys)
+
+        def get(self, key):
+            return self.keys[key]
+
+    watchdog = Watchdog.__new__(Watchdog)  # its report alone: no thread, no group
+    watchdog.rank, watchdog.world_size, watchdog.store = 1, 2, Store()
+    watchdog.last_progress, watchdog.timeout = time.monotonic(), 5.0
+    assert suspects + "." in watchdog.report()
+
+
 def test_a_watchdog_that_cannot_reach_the_store_says_so(tmp_path):
     script = """if True:
         import time
