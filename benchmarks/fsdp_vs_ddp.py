@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import sys
 import time
 
 import torch
@@ -86,7 +88,12 @@ def worker(mode: str, config: str, steps: int, warmup: int, overrides: list[str]
         emit({"mode": mode, "tokens_per_s_per_gpu": tps, "tflops_per_gpu": tps * args.flops_per_token(t.seq_len) / 1e12,
               "loss": loss, **({"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30} if cuda else {})})
     del model  # DDP's reducer before its process group: freed after it, it can hang the exit
-    distributed.shutdown()
+    torch.distributed.barrier()  # every rank is past its last collective
+    # Not Python's exit: tearing down torch's threads and process groups there aborted a worker once after its
+    # result was out ("terminate called without an active exception", SIGABRT, on two CPU ranks).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> None:
