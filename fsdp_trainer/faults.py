@@ -208,12 +208,11 @@ class Watchdog:
 
     def _publish_activity(self, activity: Optional[str]) -> None:
         """Say in this rank's report what it does while paused, or with None stop saying it."""
-        key = REPORT.format(self.rank)
         try:
             if activity:
-                self.store.set(key, json.dumps([self.step, activity, _main_thread_location()[1]]))
+                self._publish_report(activity, _main_thread_location()[1], within_timeout=True)
             else:
-                self.store.delete_key(key)
+                self.store.delete_key(REPORT.format(self.rank))
         except Exception as err:  # noqa: BLE001 - the store lives on rank 0's host; without it, nobody reads this
             logger.warning(f"rank {self.rank}: the c10d store cannot be reached ({err}); a hang while it is "
                            f"{activity or 'paused'} would be reported without this rank")
