@@ -2,9 +2,10 @@
 
     python benchmarks/checkpoint_io.py --config configs/llama3_8b.toml --nproc 4
 
-For each checkpoint.async_mode (and each --write-threads count) it trains `--steps` steps saving every `--interval`,
-then resumes once from the last checkpoint (load time), after evicting the checkpoint's files from the page cache so
-that the load reads the disk. Numbers come from the trainer's own log lines; a failed run is a row with its error.
+For each checkpoint.async_mode (and each --write-threads count, and with and without checksums if --checksums on off)
+it trains `--steps` steps saving every `--interval`, then resumes once from the last checkpoint (the time to check
+its checksums, then the load time), after evicting the checkpoint's files from the page cache so that both read the
+disk. Numbers come from the trainer's own log lines; a failed run is a row with its error.
 The checkpoints go to --dir (a fast local disk with 12 bytes/parameter free for each checkpoint kept) and are
 deleted afterwards.
 """
@@ -27,19 +28,21 @@ BLOCKED = re.compile(r"checkpoint step (\d+) \((\w+)\): training blocked ([\d.]+
 COMPLETE = re.compile(r"complete: ([\d.]+) GB in ([\d.]+) s \(([\d.]+) GB/s")
 STAGING = re.compile(r"checkpoint staging: ([\d.]+) GB of .*allocated in ([\d.]+) s")
 LOADED = re.compile(r"loaded .*: ([\d.]+) GB in ([\d.]+) s \(([\d.]+) GB/s\)")
+CHECKED = re.compile(r"match their checksums, read in ([\d.]+) s")
 COLUMNS = [("run", "label", "{}"), ("buffers s", "staging_alloc_s", "{:.1f}"),
            ("first block s", "first_blocked_s", "{:.2f}"), ("block s", "blocked_s", "{:.2f}"),
            ("of which wait s", "waited_s", "{:.2f}"), ("GB", "gb", "{:.1f}"), ("save s", "save_s", "{:.1f}"),
-           ("save GB/s", "save_gb_per_s", "{:.2f}"), ("load s", "load_s", "{:.1f}"),
+           ("save GB/s", "save_gb_per_s", "{:.2f}"), ("check s", "check_s", "{:.1f}"), ("load s", "load_s", "{:.1f}"),
            ("load GB/s", "load_gb_per_s", "{:.2f}")]
 
 
-def train(args, mode: str, threads: int, out: Path, steps: int, resume: str,
+def train(args, mode: str, threads: int, checksums: str, out: Path, steps: int, resume: str,
           *flags: str) -> subprocess.CompletedProcess:
     return run(train_command(args.nproc, args.config, "--train.steps", str(steps), "--train.output_dir", str(out),
                              "--checkpoint.interval", str(args.interval), "--checkpoint.async_mode", mode,
                              "--checkpoint.write_threads", str(threads), "--checkpoint.resume", resume,
-                             "--checkpoint.keep", "1", "--train.log_every", "5", *args.extra, *flags))
+                             "--checkpoint.keep", "1", "--train.log_every", "5",
+                             *(["--checkpoint.no_checksums"] if checksums == "off" else []), *args.extra, *flags))
 
 
 def drop_from_page_cache(folder: Path) -> int:
@@ -59,9 +62,10 @@ def drop_from_page_cache(folder: Path) -> int:
     return dropped
 
 
-def measure(args, mode: str, threads: int, out: Path) -> dict:
-    row = {"mode": mode, "write_threads": threads, "label": f"{mode}, {threads} threads"}
-    saved = train(args, mode, threads, out, args.steps, "none")
+def measure(args, mode: str, threads: int, checksums: str, out: Path) -> dict:
+    row = {"mode": mode, "write_threads": threads, "checksums": checksums == "on",
+           "label": f"{mode}, {threads} threads" + ("" if checksums == "on" else ", no checksums")}
+    saved = train(args, mode, threads, checksums, out, args.steps, "none")
     if saved.returncode:
         return {**row, "error": error_line(saved)}
     log = saved.stderr
@@ -81,10 +85,13 @@ def measure(args, mode: str, threads: int, out: Path) -> dict:
     row["load_page_cache_dropped_gb"] = drop_from_page_cache(out) / 1e9
     # One more step after the load, and no save, periodic (--interval may divide --steps + 1) or final: another full
     # checkpoint could fill the disk.
-    resumed = train(args, mode, threads, out, args.steps + 1, "auto", "--checkpoint.interval", "0",
+    resumed = train(args, mode, threads, checksums, out, args.steps + 1, "auto", "--checkpoint.interval", "0",
                     "--checkpoint.no_save_final")
     if resumed.returncode:
         return {**row, "error": f"resume: {error_line(resumed)}"}
+    checked = CHECKED.search(resumed.stderr)
+    if checked:
+        row.update(check_s=float(checked.group(1)))
     load = LOADED.search(resumed.stderr)
     if load:
         row.update(load_s=float(load.group(2)), load_gb_per_s=float(load.group(3)))
@@ -99,14 +106,16 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=4)
     parser.add_argument("--modes", nargs="+", default=["none", "async", "async_pinned"])
     parser.add_argument("--write-threads", type=int, nargs="+", default=[4], help="checkpoint.write_threads values")
+    parser.add_argument("--checksums", nargs="+", choices=["on", "off"], default=["on"],
+                        help="checkpoint.checksums settings to compare (on: the default)")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temp folder)")
     parser.add_argument("extra", nargs="*", help="train flags for every run (after --)")
     args = parser.parse_args()
     rows = []
-    for mode, threads in [(m, t) for t in args.write_threads for m in args.modes]:
+    for mode, threads, checksums in [(m, t, c) for t in args.write_threads for m in args.modes for c in args.checksums]:
         out = Path(tempfile.mkdtemp(prefix=f"ckpt-{mode}-", dir=args.dir))
         try:
-            rows.append(measure(args, mode, threads, out))
+            rows.append(measure(args, mode, threads, checksums, out))
         finally:
             shutil.rmtree(out, ignore_errors=True)
         print(rows[-1], flush=True)

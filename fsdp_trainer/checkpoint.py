@@ -15,6 +15,7 @@ Runbook:
     # `bash launch/relay_signals.sh torchrun ...` and signal that script, or on each node signal torchrun's
     # children: `pkill -USR1 -P <torchrun's pid>` (`pkill -f fsdp_trainer.train` matches torchrun itself too).
     python -m fsdp_trainer.checkpoint list outputs/checkpoints
+    python -m fsdp_trainer.checkpoint verify outputs/checkpoints/step_00000200        # e.g. after copying it
     python -m fsdp_trainer.checkpoint export outputs/checkpoints/step_00000200 exported/  # model.pt (+ HF Llama)
     python -m fsdp_trainer.train --checkpoint.init_from hf:exported/ ...                  # fine-tune from those
 
@@ -24,7 +25,7 @@ Layout of <checkpoint.dir>/step_00000200/:
     config.toml          the resolved config of the run that saved it, written first: export reads the model's
                          settings from it (resume needs none of it)
     trainer_state.json   written last, by rank 0, once DCP finished: its presence marks the checkpoint committed.
-                         Holds step, consumed_samples, tokens_seen, skipped_steps (non-finite), LR-scheduler and
+                         Holds the size and CRC32 of every other file (checked before any of it is read), step, consumed_samples, tokens_seen, skipped_steps (non-finite), LR-scheduler and
                          grad-scaler state, world size, seq_len, the data's identity, and started_from (the
                          --checkpoint.resume path that began this run, kept by every resume since, if one was
                          named).
@@ -52,8 +53,10 @@ import signal
 import threading
 import time
 import tomllib
-from concurrent.futures import Future
-from dataclasses import dataclass
+import warnings
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -64,6 +67,8 @@ from torch import nn
 from torch.distributed._state_dict_utils import _copy_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -75,6 +80,7 @@ from fsdp_trainer.faults import Watchdog
 from fsdp_trainer.models.llama import model_args_from_config
 
 MARKER = "trainer_state.json"
+CHECKSUMS = "checksums"  # the marker's {file name: [size, CRC32]} of every other file of the checkpoint
 CONFIG = "config.toml"
 FORMAT = 1
 # What resume and `list` read from trainer_state.json; a marker without one of them is not a usable checkpoint.
@@ -269,10 +275,16 @@ def dcp_cause(err: BaseException) -> str:
 
 
 def load_dcp(state: dict, path: Path, group: Optional[dist.ProcessGroup], fix: str) -> None:
-    """Fill `state` in place from the checkpoint at `path`, resharded by DCP; a CheckpointError naming the folder,
-    the first failing rank's error, the files shorter than the index says, and `fix` if a file cannot be read."""
+    """Fill `state` in place from the checkpoint at `path`, resharded by DCP, on every rank of `group` (None: in
+    this process alone); a CheckpointError naming the folder, the first failing rank's error, the files shorter
+    than the index says, and `fix` if a file cannot be read."""
     try:
-        dcp.load(state, checkpoint_id=str(path), process_group=group)
+        if group is None:
+            with warnings.catch_warnings():  # DCP warns that no_dist loads in one process: that is the point
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+                dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        else:
+            dcp.load(state, checkpoint_id=str(path), process_group=group)
     except DCP_ERRORS as err:  # DCP gathers every rank's read errors and raises them on all ranks
         short = _short_files(path)
         found = "; ".join(short) if short else "a file is corrupt or truncated"
@@ -297,6 +309,82 @@ def _short_files(path: Path) -> list[str]:
         elif (have := file.stat().st_size) < size:
             short.append(f"{name} holds {have:,} bytes where the index needs {size:,} (truncated)")
     return short
+
+
+# ------------------------------------------------------------------------------------------------ checksums
+
+def _file_sum(path: Path) -> list[int]:
+    """[size, CRC32] of a file."""
+    size, crc, buffer = 0, 0, bytearray(16 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            size, crc = size + n, zlib.crc32(view[:n], crc)
+    return [size, crc]
+
+
+def file_sums(folder: Path, names: Sequence[str], threads: int) -> dict[str, list[int]]:
+    """{name: [size, CRC32]} of these files in folder, `threads` files at a time (zlib releases the GIL)."""
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        return dict(zip(names, pool.map(lambda name: _file_sum(Path(folder) / name), names)))
+
+
+class ChecksummingWriter(dcp.FileSystemWriter):
+    """DCP's file writer that also records the size and CRC32 of every file of the checkpoint: DCP keeps none, so a
+    shard changed on storage after the save (a flipped bit, a copy cut short) would load without a word. Each rank
+    sums the files it wrote, in the thread that wrote them (an async save's background thread), and the sums travel
+    to the coordinator with DCP's own write results. There, `sums` holds every file's once the save is done."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sums: dict[str, list[int]] = {}
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
+        results = super().write_data(plan, planner).wait()  # FileSystemWriter has written when it returns
+        sums = file_sums(Path(self.path), sorted({r.storage_data.relative_path for r in results}), self.thread_count)
+        carrying: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        carrying.set_result([replace(r, storage_data=(r.storage_data, sums[r.storage_data.relative_path]))
+                             for r in results])
+        return carrying
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        plain = []  # .metadata holds DCP's own records only: any DCP reader can read the checkpoint
+        for rank_results in results:
+            self.sums.update((info.relative_path, sums) for info, sums in (r.storage_data for r in rank_results))
+            plain.append([replace(r, storage_data=r.storage_data[0]) for r in rank_results])
+        super().finish(metadata, plain)
+        self.sums.update(file_sums(Path(self.path), [".metadata", CONFIG], 2))
+
+
+def verify(path: Path, group: Optional[dist.ProcessGroup], fix: str, threads: int) -> Optional[str]:
+    """Check every file of the committed checkpoint `path` against the size and CRC32 its save recorded, each rank
+    of `group` (None: this process alone) reading its share of the files, `threads` at a time; a CheckpointError
+    naming the files that differ and `fix`, on every rank. Returns what was checked, to log; None for a checkpoint
+    saved without checksums."""
+    recorded = read_trainer_state(path).get(CHECKSUMS) or {}
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    start, mine = time.perf_counter(), sorted(recorded)[rank::world]
+    present = [name for name in mine if (path / name).is_file()]
+    problems = [f"{name} is missing" for name in mine if name not in present]
+    for name, (size, crc) in file_sums(path, present, threads).items():
+        saved_size, saved_crc = recorded[name]
+        if size != saved_size:
+            problems.append(f"{name} holds {size:,} bytes where the save wrote {saved_size:,}")
+        elif crc != saved_crc:
+            problems.append(f"{name} differs from what the save wrote (CRC32 {crc:08x}, saved {saved_crc:08x})")
+    if group is not None:
+        everyone: list[Optional[list[str]]] = [None] * world
+        dist.all_gather_object(everyone, problems, group=group)
+        problems = sorted(problem for share in everyone for problem in share)
+    if problems:
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(problems[:3])}{more}. The files changed after "
+                              f"the save committed them (a storage fault, or a copy cut short); {fix}")
+    if not recorded:
+        return None
+    size = sum(size for size, _ in recorded.values())
+    return (f"its {len(recorded)} files ({size / 1e9:.3f} GB) match their checksums, read in "
+            f"{time.perf_counter() - start:.2f} s")
 
 
 def tensor_shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
@@ -472,6 +560,7 @@ class _Save:
     step: int
     path: Path
     future: Future
+    writer: dcp.FileSystemWriter
     trainer_state: dict
     started: float
     blocked: float
@@ -723,6 +812,9 @@ class Checkpointer:
 
     def _load(self, path: Path) -> Progress:
         state = read_trainer_state(path)
+        if self.cfg.checkpoint.checksums and state["step"] < self.cfg.train.steps:  # else no tensor is read
+            checked = verify(path, self.group, ways_past(path), self.cfg.checkpoint.write_threads)
+            logger.info(f"checked {path}: {checked or 'it has no checksums (saved with checkpoint.checksums off)'}")
         self._check_seq_len(path, state)
         self._check_data(path, state)
         metadata = read_metadata(path, ways_past(path))
@@ -889,8 +981,11 @@ class Checkpointer:
             begun = time.perf_counter()
             path = step_dir(self.root, progress.step)
             self._make_room(path)
-            future = self._write(path)
-            save = _Save(progress.step, path, future, self._trainer_state(progress), begun,
+            writer = (ChecksummingWriter if self.cfg.checkpoint.checksums else dcp.FileSystemWriter)(
+                # fsync stays on: the completion marker must never reach the disk before the shards it vouches for.
+                str(path), thread_count=self.cfg.checkpoint.write_threads, sync_files=True)
+            future = self._write(writer)
+            save = _Save(progress.step, path, future, writer, self._trainer_state(progress), begun,
                          time.perf_counter() - start)
             future.add_done_callback(lambda _: setattr(save, "finished", time.perf_counter()))
             self._pending, self._saved_step, self._last_save = save, progress.step, time.monotonic()
@@ -924,11 +1019,9 @@ class Checkpointer:
                 state["step"].zero_()  # in place: optim_sd holds these same tensors, not copies
         return model_sd, optim_sd
 
-    def _write(self, path: Path) -> Future:
+    def _write(self, writer: dcp.FileSystemWriter) -> Future:
         """Hand this rank's shards to DCP; the returned future completes once every rank's are on storage."""
         state = self._state()
-        # fsync stays on: the completion marker must never reach the disk before the shards it vouches for.
-        writer = dcp.FileSystemWriter(str(path), thread_count=self.cfg.checkpoint.write_threads, sync_files=True)
         if self.mode != "none":
             response = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                       async_stager=self._stager)
@@ -991,7 +1084,8 @@ class Checkpointer:
         if not self.info.is_main:
             return
         _test_crash("before_marker", save.step)
-        marker = json.dumps(save.trainer_state, indent=1) + "\n"
+        sums = save.writer.sums if isinstance(save.writer, ChecksummingWriter) else None
+        marker = json.dumps({**save.trainer_state, CHECKSUMS: sums and dict(sorted(sums.items()))}, indent=1) + "\n"
         write_atomic(save.path / MARKER, lambda f: f.write(marker.encode()))
         size, seconds = _size_bytes(save.path), (save.finished or time.perf_counter()) - save.started
         logger.info(f"checkpoint {save.path} complete: {size / 1e9:.3f} GB in {seconds:.2f} s "
@@ -1067,6 +1161,16 @@ def _list(root: str) -> None:
                   f"{_size_bytes(path) / 1e9:.3f} GB, saved on {_ranks(state['world_size'])} at {state['saved_at']}")
 
 
+def _verify(named: str) -> None:
+    path = resolve(named, "checkpoint")
+    checked = verify(path, None, f"copy it again from where it was saved; or {ways_past(path)}",
+                     threads=os.cpu_count() or 1)
+    if checked is None:
+        raise CheckpointError(f"checkpoint {path} has no checksums (saved with checkpoint.checksums off): it cannot "
+                              "be verified")
+    print(f"{path}: {checked}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fsdp_trainer.checkpoint", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -1076,10 +1180,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved)")
     p = commands.add_parser("list", help="list the checkpoints in a folder, complete or not (and why not)")
     p.add_argument("dir", help="a checkpoint folder (<output_dir>/checkpoints by default)")
+    p = commands.add_parser("verify", help="check every file of a checkpoint against the size and CRC32 its save "
+                            "recorded (after copying it, say)")
+    p.add_argument("checkpoint", help="a step_* folder, or a checkpoint folder (its newest complete checkpoint)")
     args = parser.parse_args(argv)
     try:
         if args.command == "list":
             _list(args.dir)
+        elif args.command == "verify":
+            _verify(args.checkpoint)
         else:
             from fsdp_trainer.weights import export  # imported here: weights.py imports this module
             export(args.checkpoint, args.out_dir, getattr(torch, args.dtype) if args.dtype else None)

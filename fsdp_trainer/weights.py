@@ -15,21 +15,20 @@ head apart, so those rows are permuted on the way out (to_hf_rows) and back on t
 from __future__ import annotations
 
 import json
+import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp_trainer.checkpoint import (CONFIG, DCP_ERRORS, CheckpointError, check_shapes, dcp_cause, load_dcp,
-                                     read_metadata, resolve, saved_config, saved_tie_embeddings, tensor_shapes)
+from fsdp_trainer.checkpoint import (CONFIG, CheckpointError, check_shapes, load_dcp, read_metadata, resolve,
+                                     saved_config, saved_tie_embeddings, tensor_shapes, verify)
 from fsdp_trainer.config import Config, to_toml
 from fsdp_trainer.distributed import logger
 from fsdp_trainer.models.llama import ModelArgs, model_args_from_config
@@ -98,18 +97,14 @@ def load_consolidated(path: Path) -> tuple[dict[str, torch.Tensor], Config]:
     """The full (unsharded) model weights of a complete checkpoint and its config, read in this one process
     without a process group: DCP fills tensors allocated from its metadata, whatever the saving world size."""
     path = resolve(path, "checkpoint")
-    metadata = read_metadata(path, "export an earlier complete checkpoint")
+    fix = "export an earlier complete checkpoint"
+    verify(path, None, fix, threads=os.cpu_count() or 1)
+    metadata = read_metadata(path, fix)
     cfg = saved_config(path)  # before the tensors: a large model's take minutes to read
     state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
-    except DCP_ERRORS as err:
-        raise CheckpointError(f"checkpoint {path} could not be read ({dcp_cause(err)}): a file is corrupt or "
-                              "truncated; export an earlier complete checkpoint") from err
+    load_dcp({"model": state}, path, None, fix)
     if model_args_from_config(cfg.model).tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]  # one tensor again, as in the model
     return state, cfg
@@ -289,6 +284,7 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
     path = resolve(source, "--checkpoint.init_from")
     model_sd = get_model_state_dict(model)
     fix = "give --checkpoint.init_from an earlier complete checkpoint"
+    verify(path, group, fix, threads=4)
     check_shapes(path, read_metadata(path, fix), tensor_shapes({"model": model_sd}), "model.",
                  "Set the --model.* flags it was saved with.")
     # A tied checkpoint loads into an untied model as two equal tensors (untying it); the other way round, one of

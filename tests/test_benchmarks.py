@@ -330,14 +330,19 @@ def test_fsdp_vs_ddp_counts_a_worker_that_failed_after_reporting_as_failed(monke
 
 
 def test_checkpoint_io_loads_from_disk_and_records_a_failed_run(tmp_path):
-    """Saves at step 3 and the last, 5; the resume to step 6 saves nothing, though the interval divides 6."""
+    """Saves at step 3 and the last, 5; the resume to step 6 saves nothing, though the interval divides 6. With
+    checksums, the resume checks them first (timed); without, it has none to check."""
     args = ["--config", "configs/debug.toml", "--modes", "none", "--steps", "5", "--interval", "3", "--dir",
             str(tmp_path / "ckpt"), "--", *SMALL]
     (tmp_path / "ckpt").mkdir()
-    proc = run_script("checkpoint_io.py", *args, results_dir=tmp_path / "ok")
+    proc = run_script("checkpoint_io.py", *args[:-len(SMALL) - 1], "--checksums", "on", "off", "--", *SMALL,
+                      results_dir=tmp_path / "ok")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = written(tmp_path / "ok", "checkpoint_io_debug")["rows"]
-    assert row["saves"] == 2 and row["load_s"] > 0 and row["load_page_cache_dropped_gb"] > 0
+    summed, unsummed = written(tmp_path / "ok", "checkpoint_io_debug")["rows"]
+    for row in (summed, unsummed):
+        assert row["saves"] == 2 and row["load_s"] > 0 and row["load_page_cache_dropped_gb"] > 0
+    assert summed["checksums"] and summed["check_s"] >= 0 and not unsummed["checksums"] and "check_s" not in unsummed
+    assert unsummed["label"] == "none, 4 threads, no checksums"
     assert "checkpoint step 6" not in proc.stderr and "step 6/6" in proc.stderr  # the resumed run's log's end
     proc = run_script("checkpoint_io.py", *args, "--train.micro_batch_size", "0", results_dir=tmp_path / "bad")
     assert proc.returncode == 1

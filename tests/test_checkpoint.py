@@ -86,6 +86,19 @@ def all_tensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def drop_checksums(step: Path) -> None:
+    """Make `step` a checkpoint saved with checkpoint.checksums off: DCP's own checks are all there is."""
+    state = ck.read_trainer_state(step)
+    state[ck.CHECKSUMS] = None
+    (step / ck.MARKER).write_text(json.dumps(state))
+
+
+def flip_a_bit(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 1
+    file.write_bytes(data)
+
+
 def tree(root: Path) -> dict[str, tuple[int, int]]:
     """Every file under root with its size and modification time: to prove nothing was touched."""
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
@@ -220,8 +233,11 @@ def test_async_and_sync_saves_hold_the_same_tensors(small, tmp_path):
         train_in_process("--train.steps", "4", "--checkpoint.interval", "2", "--checkpoint.async_mode", mode,
                          "--train.output_dir", str(out))
         for step in (2, 4):
+            path = ck.step_dir(out / "checkpoints", step)
+            assert set(ck.read_trainer_state(path)[ck.CHECKSUMS]) == {p.name for p in path.iterdir()} - {ck.MARKER}
+            assert ck.verify(path, None, "", threads=1) is not None
             want = all_tensors(ck.step_dir(small / "checkpoints", step))
-            got = all_tensors(ck.step_dir(out / "checkpoints", step))
+            got = all_tensors(path)
             assert sorted(got) == sorted(want) and any(k.startswith("optim.state.") for k in got)
             # Python's RNG is this test process's, run after run.
             for key in want.keys() - {"rng.rank0.python", "rng.rank0.python_gauss"}:
@@ -457,6 +473,7 @@ def test_export_of_a_checkpoint_without_its_config_names_it_and_writes_nothing(s
     stays usable."""
     step = tmp_path / "step_00000004"
     shutil.copytree(small / "checkpoints/step_00000004", step)
+    drop_checksums(step)  # with them, the checksum check names the file first (test_verify_names_a_changed_file)
     if damage == "missing":
         (step / ck.CONFIG).unlink()
     else:
@@ -556,8 +573,13 @@ def test_resume_refuses_missing_partial_and_corrupt_checkpoints(small, tmp_path,
     truncated.write_bytes(truncated.read_bytes()[:1000])
     shutil.copytree(root / "step_00000002", root / "step_00000010")
     (root / "step_00000010" / ".metadata").write_bytes(b"not a pickle")
-    cases["truncated"] = (root / "step_00000004", "could not be read")
+    drop_checksums(root / "step_00000010")
+    shutil.copytree(root / "step_00000004", root / "step_00000012")
+    drop_checksums(root / "step_00000012")
+    cases["truncated"] = (root / "step_00000004", "is corrupt: __0_0.distcp holds 1,000 bytes where the save wrote")
     cases["bad_metadata"] = (root / "step_00000010", "its .metadata cannot be read")
+    cases["truncated_without_checksums"] = (root / "step_00000012", "could not be read (rank 0: EOFError): "
+                                            "__0_0.distcp holds 1,000 bytes where the index needs")
 
     before = tree(root)
     for name, (path, message) in cases.items():
@@ -576,11 +598,17 @@ def test_init_from_a_corrupt_checkpoint_or_hf_folder_names_the_file(small, tmp_p
     shutil.copytree(small / "checkpoints/step_00000004", source)
     shard = source / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
+    fix = "give --checkpoint.init_from an earlier complete checkpoint"
     with pytest.raises(SystemExit) as exit_info:
         main([*TINY, "--train.output_dir", str(tmp_path / "run"), "--checkpoint.init_from", str(source)])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and f"checkpoint {source} could not be read" in err, err
-    assert "give --checkpoint.init_from an earlier complete checkpoint" in err
+    assert exit_info.value.code == 2 and f"checkpoint {source} is corrupt: __0_0.distcp holds 1,000 bytes" in err
+    assert fix in err
+    drop_checksums(source)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*TINY, "--train.output_dir", str(tmp_path / "run"), "--checkpoint.init_from", str(source)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"checkpoint {source} could not be read" in err and fix in err, err
     shard.unlink()
     with pytest.raises(SystemExit):
         main([*TINY, "--train.output_dir", str(tmp_path / "run"), "--checkpoint.init_from", str(source)])
@@ -796,7 +824,7 @@ def test_resuming_from_elsewhere_into_a_folder_with_older_checkpoints_of_another
 
 
 def test_each_way_past_a_corrupt_checkpoint_works(small, tmp_path, capfd):
-    """A truncated shard in the newest checkpoint: the error gives the first failing rank's cause and two ways on,
+    """A truncated shard in the newest checkpoint: the error names it and gives two ways on,
     and each works as written (resume from an earlier one in the same folder would mix two runs)."""
     out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
     shutil.copytree(small / "checkpoints", root)
@@ -809,14 +837,59 @@ def test_each_way_past_a_corrupt_checkpoint_works(small, tmp_path, capfd):
         main(flags)
     err = capfd.readouterr().err
     rename, elsewhere = f"mv {step4} {step4}.unusable", f"--checkpoint.resume {step2} --checkpoint.dir <new folder>"
-    assert f"checkpoint {step4} could not be read (rank 0: EOFError): __0_0.distcp holds 1,000 bytes where the index " \
-        "needs " in err and rename in err and elsewhere in err
+    assert f"checkpoint {step4} is corrupt: __0_0.distcp holds 1,000 bytes where the save wrote " in err
+    assert rename in err and elsewhere in err
 
     main([*flags, *elsewhere.replace("<new folder>", str(tmp_path / "elsewhere")).split()])
     assert f"resuming from {step2}" in capfd.readouterr().err and complete_steps(tmp_path / "elsewhere") == [4, 6]
     step4.rename(f"{step4}.unusable")
     main(flags)
     assert f"resuming from {step2}" in capfd.readouterr().err and complete_steps(root) == [2, 4, 6]
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", ck.CONFIG])
+def test_verify_names_a_changed_file(small, tmp_path, capsys, name):
+    """One flipped bit in any file of a checkpoint: `verify` and export name the file, and export writes nothing.
+    A checkpoint without checksums cannot be verified, and says so."""
+    step = tmp_path / "step_00000004"
+    shutil.copytree(small / "checkpoints/step_00000004", step)
+    ck.main(["verify", str(step)])
+    files = len(list(step.iterdir())) - 1  # all but the marker that holds the sums
+    assert re.fullmatch(rf"{step}: its {files} files \([\d.]+ GB\) match their checksums, read in [\d.]+ s\n",
+                        capsys.readouterr().out)
+    flip_a_bit(step / name)
+    for command in (["verify", str(step)], ["export", str(step), str(tmp_path / "export")]):
+        with pytest.raises(SystemExit) as exit_info:
+            ck.main(command)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"checkpoint {step} is corrupt: {name} differs from what the save wrote" \
+            in err, (command, err)
+    assert not (tmp_path / "export").exists()
+    drop_checksums(step)
+    with pytest.raises(SystemExit) as exit_info:
+        ck.main(["verify", str(step)])
+    assert exit_info.value.code == 2 and "has no checksums" in capsys.readouterr().err
+
+
+def test_a_flipped_bit_in_a_shard_stops_resume_on_every_rank_before_anything_is_read(reference, tmp_path):
+    """DCP keeps no checksums: a shard changed after the save loads without a word (as --checkpoint.no_checksums
+    shows at the end). The marker holds the size and CRC32 of both ranks' files; each rank checks its share, and
+    every rank stops with the damaged file's name; nothing is deleted."""
+    root = tmp_path / "checkpoints"
+    shutil.copytree(reference / "checkpoints", root)
+    step10 = root / "step_00000010"
+    sums = ck.read_trainer_state(step10)[ck.CHECKSUMS]
+    assert set(sums) == {p.name for p in step10.iterdir()} - {ck.MARKER}
+    assert {name[:3] for name in sums if name.endswith(".distcp")} == {"__0", "__1"}
+    damaged = [name for name in sorted(sums)[1::2] if name.endswith(".distcp")][-1]  # in rank 1's share
+    flip_a_bit(step10 / damaged)
+    before = tree(root)
+    output = torchrun(2, tmp_path, "--train.steps", "12", ok=False)
+    message = f"checkpoint {step10} is corrupt: {damaged} differs from what the save wrote"
+    assert output.count(message) == 1, output[-3000:]  # rank 0's: it knows of rank 1's share only by the check
+    assert "resuming from" not in output and tree(root) == before
+    output = torchrun(2, tmp_path, "--train.steps", "12", "--checkpoint.no_checksums")
+    assert f"resuming from {step10}" in output and "is corrupt" not in output
 
 
 def test_a_resumed_optimizer_takes_this_run_s_settings_and_the_saved_state(small, tmp_path):
