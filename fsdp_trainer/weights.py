@@ -195,7 +195,8 @@ def _hf_rope(config: dict) -> tuple[float, dict]:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
-    if scaling.get("rope_type", scaling.get("type")) in (None, "default"):  # "type": transformers 4's older name
+    # "type": transformers 4's older name. Parameters without a type still scale something: not "none".
+    if rope.get("rope_type", rope.get("type")) == "default":
         scaling = {}
     return theta, scaling
 

@@ -521,6 +521,8 @@ def test_hf_import_reads_rope_and_norm_settings_as_transformers_5_writes_them(tm
     load(rope_parameters=llama3, rms_norm_eps=1e-6)
     assert len(warned) == 1 and "RoPE scaling {'factor': 8.0," in warned[0], warned
     assert "rms_norm_eps 1e-06 there, 1e-05 here: no --model flag can match this" in warned[0]
+    load(rope_scaling={"factor": 2.0})  # no type: no "default" either
+    assert len(warned) == 2 and "RoPE scaling {'factor': 2.0} there, none here" in warned[1], warned
 
 
 def test_rope_row_permutation():
