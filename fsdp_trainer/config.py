@@ -122,7 +122,8 @@ class OptimConfig:
     eps: float = 1e-8
     """AdamW epsilon."""
     warmup_steps: int = 20
-    """Linear warmup from 0 to lr over this many steps."""
+    """Linear warmup from 0 to lr over this many steps (a run of fewer train.steps ends inside the warmup: it never
+    reaches lr, and never decays)."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay from lr to min_lr after the peak, ending at train.steps."""
     grad_clip: float = 1.0
