@@ -27,7 +27,8 @@
 #                in results/.../profile_llama3_8b.log. PROFILE_RUNS="compile:none compile:full" profiles other
 #                COMPILE:AC pairs instead (into profile_llama3_8b_compile-none_compile-full.log)
 #   checkpoint   8B checkpoint save/load, one save after 15 steps then a resume: async_pinned, then sync
-#                (CHECKPOINT_MODES overrides the modes; the disk needs room for one 12 bytes/param checkpoint)
+#                (CHECKPOINT_MODES overrides the modes, CHECKPOINT_CHECKSUMS="on off" compares checksums on and off;
+#                the disk needs room for one 12 bytes/param checkpoint)
 #   plan         the memory planner against measured peaks over a 1B/8B matrix on 1, 2 and 4 GPUs (those present)
 #   capped       the 8.5B model that OOMs under DDP on 47.4 GiB cards: its plan, then training it uncapped and
 #                capped at 47.4 GiB (same speed and no allocator retries when the plan's "fits" holds)
@@ -161,8 +162,9 @@ PY
     checkpoint)
       df -h /tmp | tail -1
       read -ra modes <<< "${CHECKPOINT_MODES:-async_pinned none}"
+      read -ra checksums <<< "${CHECKPOINT_CHECKSUMS:-on}"
       python3 benchmarks/checkpoint_io.py --config configs/llama3_8b.toml --nproc "$NGPU" --steps 16 --interval 15 \
-        --modes "${modes[@]}" -- --parallel.no_compile --checkpoint.no_save_final ;;
+        --modes "${modes[@]}" --checksums "${checksums[@]}" -- --parallel.no_compile --checkpoint.no_save_final ;;
     plan)
       python3 benchmarks/plan_accuracy.py ;;
     capped)
