@@ -25,10 +25,11 @@ What it does, in order; the exit status is 0 only if every step passed:
    `all_reduce_perf -b 1K -e 1G -f 4`. Skipped once a check has failed.
 
 How a hang is caught: before each step a rank writes an arrival key to the c10d store, before each collective
-an entry key, and after the step a done key (the store is a TCP side channel, so it works while the collectives
-do not). A watchdog timer per step fires after --deadline-s: rank 0 then reads the keys and names the suspects:
-ranks that never arrived (with the last step they did reach), ranks that arrived but never entered the collective
-(stuck in their own work: their GPU or host), and ranks that left the step with an error (out of memory, say),
+an entry key (removed once the collective's result is in), and after the step a done key (the store is a TCP side
+channel, so it works while the collectives do not). A watchdog timer per step fires after --deadline-s: rank 0
+then reads the keys and names the suspects: ranks that never arrived (with the last step they did reach), ranks
+that arrived but never entered the collective the others wait in (stuck in their own work: their GPU or host,
+before a step's first collective or between two), and ranks that left the step with an error (out of memory, say),
 for which the others are still waiting inside the collective. Where every rank is stuck inside the send/recv
 ring, each rank's completed receives name the links that never delivered, within a host or between hosts. Rank 0
 prints the report and leaves with os._exit(1), because a rank blocked in a collective cannot shut down cleanly.
@@ -44,9 +45,10 @@ Fault injection, for the tests: FSDP_TRAINER_DOCTOR_FAULT=hang:rank=1 makes rank
 collective check; wrong:rank=1 makes rank 1 add 1 to everything it contributes; raise:rank=1 makes rank 1 raise
 where it would contribute to its first check (as out of memory would), leaving the others inside the collective;
 stall:rank=1 makes rank 1 block there instead, after it arrived and before the collective (as on a GPU that
-wedged mid-run); drop:rank=1 makes rank 1's ring sends never leave, as over a dead link; drop_remote:rank=1 only
-those to another node, as over a dead network card; wedge:rank=1 makes rank 1's queries of its own GPU never
-return, as in a wedged driver.
+wedged mid-run); stall_between:rank=1 makes rank 1 block after its first check's first size, before the second
+size's collective (as in host work between two collectives); drop:rank=1 makes rank 1's ring sends never leave, as
+over a dead link; drop_remote:rank=1 only those to another node, as over a dead network card; wedge:rank=1 makes
+rank 1's queries of its own GPU never return, as in a wedged driver.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 GiB = 2**30
 FAULT_VAR = "FSDP_TRAINER_DOCTOR_FAULT"
-FAULTS = ("hang", "wrong", "raise", "stall", "drop", "drop_remote", "wedge")  # each described in the docstring
+# Each described in the docstring.
+FAULTS = ("hang", "wrong", "raise", "stall", "stall_between", "drop", "drop_remote", "wedge")
 
 KNOWN_VARIABLES = {
     "NCCL_DEBUG": "NCCL log level; INFO prints the transport chosen for each peer (P2P, SHM, NET) at start-up",
@@ -408,7 +411,16 @@ class Doctor:
         work, not in the transport. On GPU that work is asynchronous, so it waits for it: a wedged GPU stops here."""
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        self.store.set(f"doctor/{self.step}/entered/{self.rank}", "")
+        self.store.set(self._entry_key(), "")
+
+    def _left(self) -> None:
+        """Called once a collective's result is on this host. Without it, the entry key of a step's first
+        collective would still stand while the rank is stuck in its own work before the next, and the others
+        waiting inside that next collective would read as a transport that hangs."""
+        self.store.delete_key(self._entry_key())
+
+    def _entry_key(self) -> str:
+        return f"doctor/{self.step}/entered/{self.rank}"
 
     def _timed_out(self, name: str) -> None:
         """Watchdog thread: the step overran. Rank 0 names the laggards and reports; every rank then exits."""
@@ -426,8 +438,9 @@ class Doctor:
         done = {r: json.loads(self.store.get(f"doctor/{name}/done/{r}")) for r in range(self.n)
                 if r not in missing + late}
         failed = {r: result["error"] for r, result in done.items() if "error" in result}
-        # A rank that arrived but never entered the collective is stuck in its own work (its GPU or host), not in
-        # the transport. The environment step has no collective, so every rank late in it is one.
+        # A rank that arrived but is not inside a collective (it never entered one, or left one and never entered
+        # the next) is stuck in its own work (its GPU or host), not in the transport. The environment step has no
+        # collective, so every rank late in it is one.
         outside = [r for r in late if not has(f"doctor/{name}/entered/{r}")]
         stuck = [r for r in late if r not in outside]  # inside the collective
         suspects = sorted([*missing, *failed, *outside])
@@ -528,8 +541,11 @@ class Doctor:
             result = {}
             # Every size, even after a wrong result, so that the ranks stay in step. An exception ends the check on
             # the rank that raised it only; _step holds that rank until the others are done or the deadline fires.
-            for count in self.check_counts:
+            for i, count in enumerate(self.check_counts):
+                if i and self.fault == ("stall_between", self.rank):
+                    threading.Event().wait()  # the injected stall: after a size's collective, before the next one's
                 wrong, sources = check(count)
+                self._left()  # each check reads its result on the host, so on GPU the collective is done by now
                 if wrong and not result:
                     result = {"wrong": f"{count} elements/rank: {wrong}", "sources": sources}
             return result

@@ -102,8 +102,8 @@ def test_failed_run_exits_without_waiting_on_the_group_teardown():
     (["--nproc", "-1"], "", "--nproc -1: must be 0"),
     (["--sizes", "abc"], "", "--sizes abc: expected sizes of 1 byte or more: a range (1K..1G), a top (64M"),
     (["--sizes", "-4K"], "", "--sizes -4K: expected sizes of 1 byte or more"),
-    ([], "hang:rank=one", f"{FAULT_VAR}=hang:rank=one: expected hang, wrong, raise, stall, drop, drop_remote or "
-                          "wedge, then :rank=N"),
+    ([], "hang:rank=one", f"{FAULT_VAR}=hang:rank=one: expected hang, wrong, raise, stall, stall_between, drop, "
+                          "drop_remote or wedge, then :rank=N"),
 ])
 def test_nonsensical_arguments_are_refused_like_argparse_before_anything_runs(flags, fault, error):
     proc, _ = run_doctor(*flags, fault=fault)
@@ -246,10 +246,13 @@ def test_rank_that_raised_is_the_suspect_not_the_ranks_left_waiting():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_rank_stuck_before_the_collective_is_named_not_the_transport(rank):
+@pytest.mark.parametrize("stall", ["stall", "stall_between"])
+def test_a_rank_stuck_before_the_collective_is_named_not_the_transport(stall, rank):
     """Arrived at its first check, then stuck in its own work before the collective (as on a GPU that wedged
-    mid-run): named as the suspect the other rank waits for inside the collective, even when it is rank 0."""
-    proc, failed = timed_out_check(f"stall:rank={rank}", nproc=2)
+    mid-run): named as the suspect the other rank waits for inside the collective, even when it is rank 0. The same
+    where it stalls between two sizes: the other rank then waits inside the second size's collective, while the
+    stalled rank entered only the first."""
+    proc, failed = timed_out_check(f"{stall}:rank={rank}", nproc=2)
     assert failed["name"] == "all_reduce" and failed["suspects"] == [rank] and failed["ranks"] == [rank], failed
     assert f"rank(s) {rank} arrived but never entered the collective" in failed["error"]
     assert f"rank(s) {1 - rank} are waiting inside it for rank(s) {rank}" in failed["error"]
