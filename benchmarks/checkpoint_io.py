@@ -3,9 +3,9 @@
     python benchmarks/checkpoint_io.py --config configs/llama3_8b.toml --nproc 4
 
 For each checkpoint.async_mode (and each --write-threads count, and with and without checksums if --checksums on off)
-it trains `--steps` steps saving every `--interval`, then resumes once from the last checkpoint (the time to check
-its checksums, then the load time), after evicting the checkpoint's files from the page cache so that both read the
-disk. Numbers come from the trainer's own log lines; a failed run is a row with its error.
+it trains `--steps` steps saving every `--interval`, then resumes once from the last checkpoint (the load time, which
+includes the check of the checksums that runs alongside it, and the check's own time), after evicting the
+checkpoint's files from the page cache so that the load reads the disk. Numbers come from the trainer's own log lines; a failed run is a row with its error.
 The checkpoints go to --dir (a fast local disk with 12 bytes/parameter free for each checkpoint kept) and are
 deleted afterwards.
 """
@@ -28,7 +28,7 @@ BLOCKED = re.compile(r"checkpoint step (\d+) \((\w+)\): training blocked ([\d.]+
 COMPLETE = re.compile(r"complete: ([\d.]+) GB in ([\d.]+) s \(([\d.]+) GB/s")
 STAGING = re.compile(r"checkpoint staging: ([\d.]+) GB of .*allocated in ([\d.]+) s")
 LOADED = re.compile(r"loaded .*: ([\d.]+) GB in ([\d.]+) s \(([\d.]+) GB/s\)")
-CHECKED = re.compile(r"match their checksums, read in ([\d.]+) s")
+CHECKED = re.compile(r"match their checksums, checked in ([\d.]+) s")
 COLUMNS = [("run", "label", "{}"), ("buffers s", "staging_alloc_s", "{:.1f}"),
            ("first block s", "first_blocked_s", "{:.2f}"), ("block s", "blocked_s", "{:.2f}"),
            ("of which wait s", "waited_s", "{:.2f}"), ("GB", "gb", "{:.1f}"), ("save s", "save_s", "{:.1f}"),

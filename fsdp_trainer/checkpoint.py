@@ -25,7 +25,8 @@ Layout of <checkpoint.dir>/step_00000200/:
     config.toml          the resolved config of the run that saved it, written first: export reads the model's
                          settings from it (resume needs none of it)
     trainer_state.json   written last, by rank 0, once DCP finished: its presence marks the checkpoint committed.
-                         Holds the size and CRC32 of every other file (checked before any of it is read), step, consumed_samples, tokens_seen, skipped_steps (non-finite), LR-scheduler and
+                         Holds the size and CRC32 of every .distcp file and of .metadata (checked while a load
+                         reads them), step, consumed_samples, tokens_seen, skipped_steps (non-finite), LR-scheduler and
                          grad-scaler state, world size, seq_len, the data's identity, and started_from (the
                          --checkpoint.resume path that began this run, kept by every resume since, if one was
                          named).
@@ -58,7 +59,7 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._state_dict_utils import _copy_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -80,7 +82,7 @@ from fsdp_trainer.faults import Watchdog
 from fsdp_trainer.models.llama import model_args_from_config
 
 MARKER = "trainer_state.json"
-CHECKSUMS = "checksums"  # the marker's {file name: [size, CRC32]} of every other file of the checkpoint
+CHECKSUMS = "checksums"  # the marker's {file name: [size, CRC32]} of the .distcp files and .metadata
 CONFIG = "config.toml"
 FORMAT = 1
 # What resume and `list` read from trainer_state.json; a marker without one of them is not a usable checkpoint.
@@ -313,37 +315,58 @@ def _short_files(path: Path) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ checksums
 
-def _file_sum(path: Path) -> list[int]:
-    """[size, CRC32] of a file."""
-    size, crc, buffer = 0, 0, bytearray(16 << 20)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            size, crc = size + n, zlib.crc32(view[:n], crc)
-    return [size, crc]
+class _SummingStream:
+    """A file being written, keeping the size and CRC32 of what went through it."""
+
+    def __init__(self, stream):
+        self._stream, self.size, self.crc = stream, 0, 0
+
+    def write(self, data) -> int:
+        written = self._stream.write(data)
+        self.size, self.crc = self.size + written, zlib.crc32(memoryview(data).cast("B")[:written], self.crc)
+        return written
+
+    def __getattr__(self, name: str):  # tell, flush, fileno (for fsync), close
+        return getattr(self._stream, name)
 
 
-def file_sums(folder: Path, names: Sequence[str], threads: int) -> dict[str, list[int]]:
-    """{name: [size, CRC32]} of these files in folder, `threads` files at a time (zlib releases the GIL)."""
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        return dict(zip(names, pool.map(lambda name: _file_sum(Path(folder) / name), names)))
+class _SummingFileSystem(FileSystem):
+    """DCP's local file system, keeping the size and CRC32 of each file written through it, by its name."""
+
+    def __init__(self):
+        super().__init__()
+        self.sums: dict[str, list[int]] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            summing = _SummingStream(stream)
+            yield summing
+        self.sums[Path(path).name] = [summing.size, summing.crc]  # one writer thread per file: no race
 
 
 class ChecksummingWriter(dcp.FileSystemWriter):
     """DCP's file writer that also records the size and CRC32 of every file of the checkpoint: DCP keeps none, so a
     shard changed on storage after the save (a flipped bit, a copy cut short) would load without a word. Each rank
-    sums the files it wrote, in the thread that wrote them (an async save's background thread), and the sums travel
-    to the coordinator with DCP's own write results. There, `sums` holds every file's once the save is done."""
+    sums its files as its writer threads write them (an async save's background threads), and the sums travel to
+    the coordinator with DCP's own write results. There, `sums` holds every file's once the save is done."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.fs = _SummingFileSystem()
         self.sums: dict[str, list[int]] = {}
+
+    def reset(self, checkpoint_id=None) -> None:
+        super().reset(checkpoint_id)
+        self.fs.sums, self.sums = {}, {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
         results = super().write_data(plan, planner).wait()  # FileSystemWriter has written when it returns
-        sums = file_sums(Path(self.path), sorted({r.storage_data.relative_path for r in results}), self.thread_count)
         carrying: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
-        carrying.set_result([replace(r, storage_data=(r.storage_data, sums[r.storage_data.relative_path]))
+        carrying.set_result([replace(r, storage_data=(r.storage_data, self.fs.sums[r.storage_data.relative_path]))
                              for r in results])
         return carrying
 
@@ -353,25 +376,67 @@ class ChecksummingWriter(dcp.FileSystemWriter):
             self.sums.update((info.relative_path, sums) for info, sums in (r.storage_data for r in rank_results))
             plain.append([replace(r, storage_data=r.storage_data[0]) for r in rank_results])
         super().finish(metadata, plain)
-        self.sums.update(file_sums(Path(self.path), [".metadata", CONFIG], 2))
+        # Written to a temporary name and renamed, so summed here. config.toml is not summed: resume does not read
+        # it, and export checks it on its own (saved_config), where a replacement from the run's folder is welcome.
+        self.sums[".metadata"] = _file_sum(Path(self.path) / ".metadata", threading.Event())
 
 
-def verify(path: Path, group: Optional[dist.ProcessGroup], fix: str, threads: int) -> Optional[str]:
-    """Check every file of the committed checkpoint `path` against the size and CRC32 its save recorded, each rank
-    of `group` (None: this process alone) reading its share of the files, `threads` at a time; a CheckpointError
-    naming the files that differ and `fix`, on every rank. Returns what was checked, to log; None for a checkpoint
-    saved without checksums."""
-    recorded = read_trainer_state(path).get(CHECKSUMS) or {}
-    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    start, mine = time.perf_counter(), sorted(recorded)[rank::world]
-    present = [name for name in mine if (path / name).is_file()]
-    problems = [f"{name} is missing" for name in mine if name not in present]
-    for name, (size, crc) in file_sums(path, present, threads).items():
+def _file_sum(path: Path, stop: threading.Event) -> list[int]:
+    """[size, CRC32] of a file (up to where `stop` was set)."""
+    size, crc, buffer = 0, 0, bytearray(16 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while not stop.is_set() and (n := f.readinto(buffer)):
+            size, crc = size + n, zlib.crc32(view[:n], crc)
+    return [size, crc]
+
+
+def _damaged(folder: Path, recorded: dict[str, list[int]], threads: int, stop: threading.Event) -> list[str]:
+    """What is wrong with each of these files in `folder` whose size or CRC32 differs from `recorded`, `threads`
+    files at a time (zlib releases the GIL)."""
+    def problem(name: str) -> Optional[str]:
+        try:
+            size, crc = _file_sum(folder / name, stop)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except OSError as err:  # a storage fault: reported with the rest, by every rank, not as one rank's crash
+            return f"{name} cannot be read ({type(err).__name__}: {err})"
         saved_size, saved_crc = recorded[name]
+        if stop.is_set():
+            return None
         if size != saved_size:
-            problems.append(f"{name} holds {size:,} bytes where the save wrote {saved_size:,}")
-        elif crc != saved_crc:
-            problems.append(f"{name} differs from what the save wrote (CRC32 {crc:08x}, saved {saved_crc:08x})")
+            return f"{name} holds {size:,} bytes where the save wrote {saved_size:,}"
+        if crc != saved_crc:
+            return f"{name} differs from what the save wrote (CRC32 {crc:08x}, saved {saved_crc:08x})"
+        return None
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        return [found for found in pool.map(problem, sorted(recorded)) if found]
+
+
+@contextlib.contextmanager
+def checked(path: Path, group: Optional[dist.ProcessGroup], fix: str, threads: int,
+            enabled: bool = True) -> Iterator[list[str]]:
+    """Check the files of the committed checkpoint `path` against the size and CRC32 its save recorded while the
+    block reads the checkpoint: the page cache then serves one of the two reads of each file, where checking first
+    would read the whole checkpoint twice. Each rank of `group` (None: this process alone) checks its share of the
+    files, `threads` at a time. After the block, every rank raises a CheckpointError naming the damaged files and
+    `fix` (in place of the block's own error, which such files cause), or the list yielded holds what was checked,
+    to log; it stays empty for a checkpoint saved without checksums, and when not `enabled`."""
+    recorded = (read_trainer_state(path).get(CHECKSUMS) or {}) if enabled else {}
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    mine = {name: recorded[name] for name in sorted(recorded)[rank::world]}
+    start, stop, report, failure = time.perf_counter(), threading.Event(), [], None
+    with ThreadPoolExecutor(1) as pool:
+        checking = pool.submit(_damaged, Path(path), mine, threads, stop)
+        try:
+            yield report
+        except Exception as err:  # the check decides which error to raise
+            failure = err
+        except BaseException:  # an interrupt or an exit: leave at once
+            stop.set()
+            raise
+        problems = checking.result()
     if group is not None:
         everyone: list[Optional[list[str]]] = [None] * world
         dist.all_gather_object(everyone, problems, group=group)
@@ -379,12 +444,13 @@ def verify(path: Path, group: Optional[dist.ProcessGroup], fix: str, threads: in
     if problems:
         more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
         raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(problems[:3])}{more}. The files changed after "
-                              f"the save committed them (a storage fault, or a copy cut short); {fix}")
-    if not recorded:
-        return None
-    size = sum(size for size, _ in recorded.values())
-    return (f"its {len(recorded)} files ({size / 1e9:.3f} GB) match their checksums, read in "
-            f"{time.perf_counter() - start:.2f} s")
+                              f"the save committed them (a storage fault, or a copy cut short); {fix}") from failure
+    if failure is not None:
+        raise failure
+    if recorded:
+        size = sum(size for size, _ in recorded.values())
+        report.append(f"{len(recorded)} files ({size / 1e9:.3f} GB) match their checksums, checked in "
+                      f"{time.perf_counter() - start:.2f} s")
 
 
 def tensor_shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
@@ -722,7 +788,8 @@ class Checkpointer:
             self._saved_step = 0  # nothing to save before the first step
             if c.init_from:
                 from fsdp_trainer.weights import load_weights  # imported here: weights.py imports this module
-                load_weights(self.model, c.init_from, model_args_from_config(self.cfg.model), self.group)
+                load_weights(self.model, c.init_from, model_args_from_config(self.cfg.model), self.group,
+                             c.write_threads if c.checksums else 0)
                 logger.info(f"initialized the model from {c.init_from}; fresh optimizer, step 0")
             progress = Progress()
         self.votes.start(stop=self.signals.received is not None, save=False)
@@ -812,9 +879,6 @@ class Checkpointer:
 
     def _load(self, path: Path) -> Progress:
         state = read_trainer_state(path)
-        if self.cfg.checkpoint.checksums and state["step"] < self.cfg.train.steps:  # else no tensor is read
-            checked = verify(path, self.group, ways_past(path), self.cfg.checkpoint.write_threads)
-            logger.info(f"checked {path}: {checked or 'it has no checksums (saved with checkpoint.checksums off)'}")
         self._check_seq_len(path, state)
         self._check_data(path, state)
         metadata = read_metadata(path, ways_past(path))
@@ -834,8 +898,11 @@ class Checkpointer:
             # The run is over: reading every tensor of a large model only to stop would take minutes.
             logger.info(f"{path} holds step {progress.step}")
             return progress
-        start = time.perf_counter()
-        rng = self._read(path, metadata, model_sd, optim_sd, state["world_size"])
+        start, c = time.perf_counter(), self.cfg.checkpoint
+        with checked(path, self.group, ways_past(path), c.write_threads, enabled=c.checksums) as report:
+            rng = self._read(path, metadata, model_sd, optim_sd, state["world_size"])
+        if c.checksums:
+            logger.info(f"checked {path}: {report[0] if report else 'it has no checksums (saved with no_checksums)'}")
         # The checkpoint brings the optimizer's state; its settings (weight decay, betas, eps, fused) are this
         # run's, which loading the saved param groups would replace. The learning rate is the scheduler's.
         settings = [{k: v for k, v in group.items() if k not in ("params", "lr")}
@@ -1085,6 +1152,8 @@ class Checkpointer:
             return
         _test_crash("before_marker", save.step)
         sums = save.writer.sums if isinstance(save.writer, ChecksummingWriter) else None
+        if sums == {}:  # torch wrote through a copy of the writer: the checkpoint is whole, but resume cannot check it
+            logger.warning(f"checkpoint {save.path}: no checksums reached rank 0; it is committed without them")
         marker = json.dumps({**save.trainer_state, CHECKSUMS: sums and dict(sorted(sums.items()))}, indent=1) + "\n"
         write_atomic(save.path / MARKER, lambda f: f.write(marker.encode()))
         size, seconds = _size_bytes(save.path), (save.finished or time.perf_counter()) - save.started
@@ -1163,12 +1232,13 @@ def _list(root: str) -> None:
 
 def _verify(named: str) -> None:
     path = resolve(named, "checkpoint")
-    checked = verify(path, None, f"copy it again from where it was saved; or {ways_past(path)}",
-                     threads=os.cpu_count() or 1)
-    if checked is None:
-        raise CheckpointError(f"checkpoint {path} has no checksums (saved with checkpoint.checksums off): it cannot "
-                              "be verified")
-    print(f"{path}: {checked}")
+    with checked(path, None, f"copy it again from where it was saved; or {ways_past(path)}",
+                 threads=os.cpu_count() or 1) as report:
+        pass
+    if not report:
+        raise CheckpointError(f"checkpoint {path} has no checksums (saved with checkpoint.no_checksums): it cannot be "
+                              "verified")
+    print(f"{path}: {report[0]}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -1178,6 +1248,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("checkpoint", help="a step_* folder, or a checkpoint folder (its newest complete checkpoint)")
     p.add_argument("out_dir", help="folder for model.pt, config.toml, and config.json + model.safetensors")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved)")
+    p.add_argument("--no-checksums", dest="checksums", action="store_false",
+                   help="do not check the files against the checksums the save recorded (to salvage what a damaged "
+                        "checkpoint still holds)")
     p = commands.add_parser("list", help="list the checkpoints in a folder, complete or not (and why not)")
     p.add_argument("dir", help="a checkpoint folder (<output_dir>/checkpoints by default)")
     p = commands.add_parser("verify", help="check every file of a checkpoint against the size and CRC32 its save "
@@ -1191,7 +1264,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             _verify(args.checkpoint)
         else:
             from fsdp_trainer.weights import export  # imported here: weights.py imports this module
-            export(args.checkpoint, args.out_dir, getattr(torch, args.dtype) if args.dtype else None)
+            export(args.checkpoint, args.out_dir, getattr(torch, args.dtype) if args.dtype else None,
+                   checksums=args.checksums)
     except (CheckpointError, ConfigError) as err:
         parser.exit(2, f"error: {err}\n")
 

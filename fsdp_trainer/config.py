@@ -204,10 +204,10 @@ class CheckpointConfig:
     """Files each rank writes (and checksums) in parallel per save (DCP's writer threads). Parallel and network
     file systems reward more concurrent writers; a single local disk is limited by its own bandwidth either way."""
     checksums: bool = True
-    """Record the size and CRC32 of every file of a save (each rank sums the files it wrote, in the save's own
-    thread: about 4 GB/s per thread), and check them before resume reads the checkpoint, each rank reading its
-    share of the files once more: a file changed on storage after the save is an error naming it, where DCP alone
-    would load it silently. init_from and export check the sums of any checkpoint that has them."""
+    """Record the size and CRC32 of every data file of a save and of its .metadata (each rank sums its files as it
+    writes them), and check them while resume or init_from reads the checkpoint, each rank its share of the files:
+    a file changed on storage after the save is then an error naming it, where DCP alone would load it silently.
+    Export checks them too, unless given --no-checksums."""
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint in dir, if any; none: start fresh; or a checkpoint path
     (once this run has saved checkpoints of its own, the same command resumes the newest of those)."""

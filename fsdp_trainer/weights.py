@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_trainer.checkpoint import (CONFIG, CheckpointError, check_shapes, load_dcp, read_metadata, resolve,
-                                     saved_config, saved_tie_embeddings, tensor_shapes, verify)
+                                     saved_config, saved_tie_embeddings, tensor_shapes, checked)
 from fsdp_trainer.config import Config, to_toml
 from fsdp_trainer.distributed import logger
 from fsdp_trainer.models.llama import ModelArgs, model_args_from_config
@@ -93,31 +93,32 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
             "torch_dtype": str(dtype).removeprefix("torch.")}
 
 
-def load_consolidated(path: Path) -> tuple[dict[str, torch.Tensor], Config]:
+def load_consolidated(path: Path, checksums: bool = True) -> tuple[dict[str, torch.Tensor], Config]:
     """The full (unsharded) model weights of a complete checkpoint and its config, read in this one process
-    without a process group: DCP fills tensors allocated from its metadata, whatever the saving world size."""
+    without a process group: DCP fills tensors allocated from its metadata, whatever the saving world size. With
+    `checksums`, the files are checked against those the save recorded, if any."""
     path = resolve(path, "checkpoint")
     fix = "export an earlier complete checkpoint"
-    verify(path, None, fix, threads=os.cpu_count() or 1)
     metadata = read_metadata(path, fix)
     cfg = saved_config(path)  # before the tensors: a large model's take minutes to read
     state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    load_dcp({"model": state}, path, None, fix)
+    with checked(path, None, fix, threads=os.cpu_count() or 1, enabled=checksums):
+        load_dcp({"model": state}, path, None, fix)
     if model_args_from_config(cfg.model).tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]  # one tensor again, as in the model
     return state, cfg
 
 
 def export(path: str | Path, out_dir: str | Path, dtype: Optional[torch.dtype] = None,
-           log: Callable[[str], None] = print) -> Path:
+           log: Callable[[str], None] = print, checksums: bool = True) -> Path:
     """Write a checkpoint's weights to out_dir as model.pt (our names; `Transformer.load_state_dict` takes it)
     and, if safetensors is installed, as a Hugging Face Llama (config.json + model.safetensors). The folder and
     the checkpoint's config.toml are checked before the first file is written."""
     out = Path(out_dir)
     _check_no_weights_in(out)
-    state, cfg = load_consolidated(Path(path))
+    state, cfg = load_consolidated(Path(path), checksums)
     args = model_args_from_config(cfg.model)
     if dtype is not None:
         state = {k: v.to(dtype) for k, v in state.items()}
@@ -273,9 +274,11 @@ def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     param.copy_(full)
 
 
-def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional[dist.ProcessGroup] = None) -> None:
+def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional[dist.ProcessGroup] = None,
+                 threads: int = 4) -> None:
     """Fill a (sharded) model with the weights of a checkpoint (a folder, resharded by DCP) or of hf:<folder> (a
-    Hugging Face Llama); shapes are checked first, and a mismatch raises a CheckpointError naming it."""
+    Hugging Face Llama); shapes are checked first, and a mismatch raises a CheckpointError naming it. A checkpoint's
+    files are checked against the checksums its save recorded, `threads` files at a time per rank (0: no check)."""
     if source.startswith("hf:"):
         params = dict(model.named_parameters())  # a tied weight appears once; a DTensor's shape is the full one
         shapes = {name: tuple(p.shape) for name, p in params.items()}
@@ -285,7 +288,6 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
     path = resolve(source, "--checkpoint.init_from")
     model_sd = get_model_state_dict(model)
     fix = "give --checkpoint.init_from an earlier complete checkpoint"
-    verify(path, group, fix, threads=4)
     check_shapes(path, read_metadata(path, fix), tensor_shapes({"model": model_sd}), "model.",
                  "Set the --model.* flags it was saved with.")
     # A tied checkpoint loads into an untied model as two equal tensors (untying it); the other way round, one of
@@ -293,5 +295,6 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
     if args.tie_embeddings and saved_tie_embeddings(path) is False:
         raise CheckpointError(f"checkpoint {path} has untied embeddings (an output projection of its own), but this "
                               "model ties them and could keep only one of the two: set --model.tie_embeddings False")
-    load_dcp({"model": model_sd}, path, group, fix)
+    with checked(path, group, fix, threads, enabled=threads > 0):
+        load_dcp({"model": model_sd}, path, group, fix)
     set_model_state_dict(model, model_sd)

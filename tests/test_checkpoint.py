@@ -1,6 +1,7 @@
 """Checkpoints: exact resume, resharding resume, crashes during saves, preemption, retention, async vs sync,
 export / import, errors. CPU and gloo; multi-rank runs are real torchrun jobs of a tiny model (about 10 s each)."""
 
+import errno
 import json
 import os
 import random
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -91,6 +93,11 @@ def drop_checksums(step: Path) -> None:
     state = ck.read_trainer_state(step)
     state[ck.CHECKSUMS] = None
     (step / ck.MARKER).write_text(json.dumps(state))
+
+
+def summed_files(step: Path) -> set[str]:
+    """The files of a checkpoint that its checksums cover: all but the marker that holds them and config.toml."""
+    return {p.name for p in step.iterdir()} - {ck.MARKER, ck.CONFIG}
 
 
 def flip_a_bit(file: Path) -> None:
@@ -234,8 +241,10 @@ def test_async_and_sync_saves_hold_the_same_tensors(small, tmp_path):
                          "--train.output_dir", str(out))
         for step in (2, 4):
             path = ck.step_dir(out / "checkpoints", step)
-            assert set(ck.read_trainer_state(path)[ck.CHECKSUMS]) == {p.name for p in path.iterdir()} - {ck.MARKER}
-            assert ck.verify(path, None, "", threads=1) is not None
+            assert set(ck.read_trainer_state(path)[ck.CHECKSUMS]) == summed_files(path)
+            with ck.checked(path, None, "", threads=1) as report:
+                pass
+            assert report and "match their checksums" in report[0]
             want = all_tensors(ck.step_dir(small / "checkpoints", step))
             got = all_tensors(path)
             assert sorted(got) == sorted(want) and any(k.startswith("optim.state.") for k in got)
@@ -473,7 +482,6 @@ def test_export_of_a_checkpoint_without_its_config_names_it_and_writes_nothing(s
     stays usable."""
     step = tmp_path / "step_00000004"
     shutil.copytree(small / "checkpoints/step_00000004", step)
-    drop_checksums(step)  # with them, the checksum check names the file first (test_verify_names_a_changed_file)
     if damage == "missing":
         (step / ck.CONFIG).unlink()
     else:
@@ -849,39 +857,45 @@ def test_each_way_past_a_corrupt_checkpoint_works(small, tmp_path, capfd):
     assert f"resuming from {step2}" in capfd.readouterr().err and complete_steps(root) == [2, 4, 6]
 
 
-@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", ck.CONFIG])
+@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata"])
 def test_verify_names_a_changed_file(small, tmp_path, capsys, name):
-    """One flipped bit in any file of a checkpoint: `verify` and export name the file, and export writes nothing.
-    A checkpoint without checksums cannot be verified, and says so."""
+    """One flipped bit in a summed file: `verify` and export name the file, and export writes nothing (export reads
+    .metadata first: damaged, it cannot be parsed); `export --no-checksums` salvages what a damaged shard still
+    holds. A checkpoint without checksums cannot be verified, and says so."""
     step = tmp_path / "step_00000004"
     shutil.copytree(small / "checkpoints/step_00000004", step)
     ck.main(["verify", str(step)])
-    files = len(list(step.iterdir())) - 1  # all but the marker that holds the sums
-    assert re.fullmatch(rf"{step}: its {files} files \([\d.]+ GB\) match their checksums, read in [\d.]+ s\n",
-                        capsys.readouterr().out)
+    assert re.fullmatch(rf"{step}: {len(summed_files(step))} files \([\d.]+ GB\) match their checksums, checked in "
+                        r"[\d.]+ s\n", capsys.readouterr().out)
     flip_a_bit(step / name)
-    for command in (["verify", str(step)], ["export", str(step), str(tmp_path / "export")]):
+    corrupt = f"checkpoint {step} is corrupt: {name} differs from what the save wrote"
+    unparsable = f"checkpoint {step}: its .metadata cannot be read (UnpicklingError"
+    for command, message in ((["verify", str(step)], corrupt),
+                             (["export", str(step), str(tmp_path / "export")],
+                              unparsable if name == ".metadata" else corrupt)):
         with pytest.raises(SystemExit) as exit_info:
             ck.main(command)
         err = capsys.readouterr().err
-        assert exit_info.value.code == 2 and f"checkpoint {step} is corrupt: {name} differs from what the save wrote" \
-            in err, (command, err)
+        assert exit_info.value.code == 2 and message in err, (command, err)
     assert not (tmp_path / "export").exists()
+    if name != ".metadata":
+        ck.main(["export", "--no-checksums", str(step), str(tmp_path / "export")])
+        assert (tmp_path / "export/model.pt").is_file()
     drop_checksums(step)
     with pytest.raises(SystemExit) as exit_info:
         ck.main(["verify", str(step)])
     assert exit_info.value.code == 2 and "has no checksums" in capsys.readouterr().err
 
 
-def test_a_flipped_bit_in_a_shard_stops_resume_on_every_rank_before_anything_is_read(reference, tmp_path):
+def test_a_flipped_bit_in_a_shard_stops_resume_on_every_rank(reference, tmp_path):
     """DCP keeps no checksums: a shard changed after the save loads without a word (as --checkpoint.no_checksums
-    shows at the end). The marker holds the size and CRC32 of both ranks' files; each rank checks its share, and
-    every rank stops with the damaged file's name; nothing is deleted."""
+    shows at the end). The marker holds the size and CRC32 of both ranks' files; each rank checks its share while
+    the load reads them, and every rank stops with the damaged file's name before training; nothing is deleted."""
     root = tmp_path / "checkpoints"
     shutil.copytree(reference / "checkpoints", root)
     step10 = root / "step_00000010"
     sums = ck.read_trainer_state(step10)[ck.CHECKSUMS]
-    assert set(sums) == {p.name for p in step10.iterdir()} - {ck.MARKER}
+    assert set(sums) == summed_files(step10)
     assert {name[:3] for name in sums if name.endswith(".distcp")} == {"__0", "__1"}
     damaged = [name for name in sorted(sums)[1::2] if name.endswith(".distcp")][-1]  # in rank 1's share
     flip_a_bit(step10 / damaged)
@@ -892,6 +906,49 @@ def test_a_flipped_bit_in_a_shard_stops_resume_on_every_rank_before_anything_is_
     assert "resuming from" not in output and tree(root) == before
     output = torchrun(2, tmp_path, "--train.steps", "12", "--checkpoint.no_checksums")
     assert f"resuming from {step10}" in output and "is corrupt" not in output
+
+
+def check_with_an_unreadable_file(step: str, unreadable: str) -> str:
+    """On each rank: checked() over the group, where reading `unreadable` fails as on a failing disk (EIO)."""
+    dist.init_process_group("gloo")
+    real = ck._file_sum
+
+    def failing(path: Path, stop) -> list[int]:
+        if path.name == unreadable:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path, stop)
+
+    ck._file_sum = failing
+    try:
+        with ck.checked(Path(step), dist.group.WORLD, "the fix", threads=2):
+            pass
+    except ck.CheckpointError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_file_that_cannot_be_read_is_reported_by_every_rank(small):
+    """An I/O error while one rank checks its share is a problem like any other: every rank raises the same
+    CheckpointError, where one rank's OSError would leave the other waiting for it in the exchange of results."""
+    step = small / "checkpoints/step_00000004"
+    unreadable = sorted(summed_files(step))[1::2][0]  # in rank 1's share
+    messages = run_ranks(check_with_an_unreadable_file, 2, str(step), unreadable)
+    assert messages[0] == messages[1]
+    assert f"is corrupt: {unreadable} cannot be read (OSError: [Errno 5] Input/output error)" in messages[0]
+    assert messages[0].endswith("the fix")
+
+
+def test_a_checkpoint_saved_without_checksums_resumes_and_says_so(tmp_path, capfd):
+    out = tmp_path / "run"
+    train_in_process("--train.steps", "2", "--checkpoint.async_mode", "none", "--checkpoint.no_checksums",
+                     "--train.output_dir", str(out))
+    assert ck.read_trainer_state(out / "checkpoints/step_00000002")[ck.CHECKSUMS] is None
+    capfd.readouterr()
+    train_in_process("--train.steps", "3", "--checkpoint.async_mode", "none", "--train.output_dir", str(out))
+    err = capfd.readouterr().err
+    assert "step_00000002: it has no checksums (saved with no_checksums)" in err and "resuming from" in err
+    assert set(ck.read_trainer_state(out / "checkpoints/step_00000003")[ck.CHECKSUMS]) == \
+        summed_files(out / "checkpoints/step_00000003")
 
 
 def test_a_resumed_optimizer_takes_this_run_s_settings_and_the_saved_state(small, tmp_path):
