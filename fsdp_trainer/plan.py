@@ -19,7 +19,8 @@ The model of memory, per GPU, in the steady state (step 2 on, once AdamW's state
   - Sharded float32 parameters, gradients and AdamW's two float32 moments, each divided by dp_shard (HSDP
     replicates them over dp_replicate). FSDP2 pads each parameter's first dimension to a multiple of dp_shard.
   - Unsharded param_dtype parameters of the FSDP groups in flight (all-gather outputs), their param_dtype
-    gradients and the reduce_dtype reduce-scatter input; groups that reshard_after_forward keeps gathered.
+    gradients and the reduce_dtype reduce-scatter input; groups that reshard_after_forward keeps gathered. With
+    grad accumulation reduced every micro-batch, the reduce-scatter output beside the gradient it is added to.
   - Activations autograd saves per micro-batch, by AC mode (`block_saved_bytes` lists the tensors), plus the
     logits and the cross-entropy's float32 buffers, which dominate at long sequences and large vocabularies
     (with train.loss_chunk_tokens: one chunk's logits, and the loss's gradients held from forward to backward).
@@ -47,7 +48,10 @@ torch.cuda.max_memory_reserved() of the full 8B on four H200s, compiled and eage
 and 2, reshard never and keep_gathered, and the 8.5B with full AC: -1% to +4% with the gradients apart or in the
 compute pool. CPU offload was checked on one H100, eager: the 8B shape cut to 4 layers without AC and with full
 AC, and the 1B without AC at micro-batch 2, within 0.4% each (the peak is at the loss's backward, where no shard is
-being copied in from the host). Not checked on GPUs: HSDP, float16.
+being copied in from the host: FSDP2 copies a parameter's float32 shard to the GPU inside a group's all-gather,
+casts it to param_dtype and frees it before the all-gather output exists, and no moment planned is inside an
+all-gather). Not checked on GPUs: HSDP, float16, and the reduce-scatter output's block that the reduce-scatter
+stream keeps when accumulating with a reduce-scatter per micro-batch (counted from torch's source).
 """
 
 from __future__ import annotations
@@ -335,9 +339,10 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
         """The embedding's group, last in backward, at the largest of its three steps: its backward (gathered
         parameters, param_dtype gradients); its post-backward copy-in (parameters resharded first, gradients copied
         into the reduce_dtype reduce-scatter input); the reduce-scatter (the input, and the output that becomes the
-        group's sharded gradient, counted here rather than in the gradients row). With one rank FSDP2 has freed the
-        param_dtype gradients by then; with more, the allocator keeps them until the reduce-scatter stream has read
-        them (both seen in allocator traces on H200s)."""
+        group's sharded gradient, or is added to the one accumulated from earlier micro-batches, counted here rather
+        than in the gradients row). With one rank FSDP2 has freed the param_dtype gradients by then; with more, the
+        allocator keeps them until the reduce-scatter stream has read them (both seen in allocator traces on
+        H200s)."""
         numel = group.gathered_numel(s.shard)
         grads_in_reduce = s.pbytes * numel if s.shard > 1 else 0
         return max(gathered(group) + s.pbytes * numel, (s.pbytes + s.rbytes) * numel,
@@ -414,10 +419,12 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
                                 "comm": gathered_unless_kept(blocks[-1]) + s.pbytes * blocks[-1].gathered_numel(s.shard)
                                 + prefetched + retained_reduce,
                                 "work": recompute + work},
-        # end of backward: every other group's sharded gradient (none when deferred), the embedding's group
-        # reduced; activations are gone and every other group is resharded.
+        # end of backward: every other group's sharded gradient (none when deferred; accumulating, every group's,
+        # as FSDP2 adds the embedding group's reduce-scatter output to its gradient, not in its place), the
+        # embedding's group reduced; activations are gone and every other group is resharded.
         "end of backward": {**base, "kept": 0, "logits": held_logits,
-                            "grads": 0 if s.defer else shards - 4 * last_back.shard_numel(s.shard) * on_gpu,
+                            "grads": held_grads or (0 if s.defer
+                                                    else shards - 4 * last_back.shard_numel(s.shard) * on_gpu),
                             "comm": last_group_backward(last_back)},
     }
 
@@ -655,8 +662,10 @@ def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], moments: dict[str
     rows = []
     if on_side_stream:
         rows.append(Row("grad memory kept by the reduce-scatter stream",
-                        4 * s.shard_numel() - by_moment[peak_moment].get("grads", 0),
-                        "FSDP2 allocates gradients on that stream; what zero_grad frees stays there"))
+                        4 * s.shard_numel() - by_moment[peak_moment].get("grads", 0)
+                        + _reduce_output_kept(s, peak_moment),
+                        "FSDP2 allocates gradients and reduce-scatter outputs on that stream; what zero_grad frees "
+                        "stays there"))
     rows.append(Row("all-gather stream's buffers", all_gather, "the largest gathered group + the blocks gathered ahead"))
     if compute_moment != peak_moment and compute[compute_moment] > compute[peak_moment]:
         rows.append(Row(f"compute stream's peak at {compute_moment}", compute[compute_moment] - compute[peak_moment],
@@ -666,6 +675,16 @@ def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], moments: dict[str
     rows.append(Row(f"allocator fragmentation ({fraction:.1%})", int(fraction * compute[compute_moment]),
                     "of the compute stream's peak"))
     return rows
+
+
+def _reduce_output_kept(s: _Setup, peak_moment: str) -> int:
+    """Accumulating without deferred sync, each group's reduce-scatter output is added to its gradient and freed,
+    on the reduce-scatter stream, which keeps the block for the next one: the largest group's, beyond every peak but
+    the end of backward, where the embedding group's is allocated."""
+    if s.accum == 1 or s.defer:
+        return 0
+    largest = 4 * max(g.shard_numel(s.shard) for g in s.groups)
+    return largest - (4 * s.groups[0].shard_numel(s.shard) if peak_moment == "end of backward" else 0)
 
 
 def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:
@@ -765,9 +784,15 @@ def _apply(cfg: Config, change: dict[str, Any]) -> Config:
     return new
 
 
-def _replan(cfg: Config, base: Plan, change: dict[str, Any]) -> Plan:
-    return _estimate(_apply(cfg, change), change.get("gpus", base.gpus), base.capacity_bytes, base.capacity_source,
-                     base.gpus_per_node)
+def _replan(cfg: Config, base: Plan, change: dict[str, Any]) -> Optional[Plan]:
+    """The plan with `change` applied; None where the trainer's own validation would refuse the changed run, which
+    the planner then never offers (selective AC every 2 blocks of a 1-block model, say)."""
+    new, gpus = _apply(cfg, change), change.get("gpus", base.gpus)
+    try:
+        validate(new, gpus, "cuda")
+    except ConfigError:
+        return None
+    return _estimate(new, gpus, base.capacity_bytes, base.capacity_source, base.gpus_per_node)
 
 
 def _cost(base: Plan, new: Plan, tokens_ratio: float = 1.0) -> float:
@@ -775,9 +800,9 @@ def _cost(base: Plan, new: Plan, tokens_ratio: float = 1.0) -> float:
     return new.step_seconds / tokens_ratio / base.step_seconds - 1
 
 
-def _roomy(new: Plan) -> bool:
-    """Whether a suggested setting fits with OPTION_MARGIN to spare."""
-    return new.total_bytes <= (1 - OPTION_MARGIN) * new.capacity_bytes
+def _roomy(new: Optional[Plan]) -> bool:
+    """Whether a suggested setting is valid and fits with OPTION_MARGIN to spare."""
+    return new is not None and new.total_bytes <= (1 - OPTION_MARGIN) * new.capacity_bytes
 
 
 # The chunk the planner suggests: 2048 tokens of a 128K vocabulary are 1.5 GiB of chunk buffers.
