@@ -83,6 +83,7 @@ from fsdp_trainer.models.llama import model_args_from_config
 
 MARKER = "trainer_state.json"
 CHECKSUMS = "checksums"  # the marker's {file name: [size, CRC32]} of the .distcp files and .metadata
+NO_CHECKSUMS = "it has no checksums (saved with --checkpoint.no_checksums, or by an older fsdp_trainer)"
 CONFIG = "config.toml"
 FORMAT = 1
 # What resume and `list` read from trainer_state.json; a marker without one of them is not a usable checkpoint.
@@ -256,8 +257,13 @@ def _size_bytes(path: Path) -> int:
 
 # --------------------------------------------------------------------------------- checking before loading
 
-def read_metadata(path: Path, fix: str) -> Metadata:
-    """DCP's index of a checkpoint; a CheckpointError naming the folder and `fix` if it cannot be read."""
+def read_metadata(path: Path, fix: str, checksums: bool = True) -> Metadata:
+    """DCP's index of a checkpoint; a CheckpointError naming the folder and `fix` if it cannot be read or, with
+    `checksums`, differs from what the save wrote (a changed size in it still unpickles, and would be taken for
+    another model's shape)."""
+    saved = (read_trainer_state(path).get(CHECKSUMS) or {}).get(".metadata") if checksums else None
+    if saved and (problem := _problem(Path(path), ".metadata", saved, threading.Event())):
+        raise _corrupt(Path(path), [problem], fix)
     try:
         return dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # a truncated or foreign file fails in pickle, in torch or in the OS
@@ -327,6 +333,8 @@ class _SummingStream:
         return written
 
     def __getattr__(self, name: str):  # tell, flush, fileno (for fsync), close
+        if name == "_stream":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self._stream, name)
 
 
@@ -348,37 +356,54 @@ class _SummingFileSystem(FileSystem):
         self.sums[Path(path).name] = [summing.size, summing.crc]  # one writer thread per file: no race
 
 
-class ChecksummingWriter(dcp.FileSystemWriter):
-    """DCP's file writer that also records the size and CRC32 of every file of the checkpoint: DCP keeps none, so a
-    shard changed on storage after the save (a flipped bit, a copy cut short) would load without a word. Each rank
-    sums its files as its writer threads write them (an async save's background threads), and the sums travel to
-    the coordinator with DCP's own write results. There, `sums` holds every file's once the save is done."""
+class CheckpointWriter(dcp.FileSystemWriter):
+    """DCP's file writer, refusing to report a rank's shard written when a writer thread failed (torch only prints
+    such a thread's error, and the checkpoint would be committed without that thread's tensors), and with
+    `checksums`, recording the size and CRC32 of every file: DCP keeps none, so a shard changed on storage after
+    the save (a flipped bit, a copy cut short) would load without a word. Each rank sums its files as its writer
+    threads write them (an async save's background threads), and the sums travel to the coordinator with DCP's own
+    write results. There, `sums` holds every file's once the save is done."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.fs = _SummingFileSystem()
+    def __init__(self, path: str, thread_count: int, checksums: bool):
+        # fsync stays on: the completion marker must never reach the disk before the shards it vouches for.
+        super().__init__(path, thread_count=thread_count, sync_files=True)
+        self.checksums = checksums
+        self.fs = _SummingFileSystem() if checksums else self.fs
         self.sums: dict[str, list[int]] = {}
 
     def reset(self, checkpoint_id=None) -> None:
         super().reset(checkpoint_id)
-        self.fs.sums, self.sums = {}, {}
+        self.sums = {}
+        if self.checksums:
+            self.fs.sums = {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
         results = super().write_data(plan, planner).wait()  # FileSystemWriter has written when it returns
-        carrying: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
-        carrying.set_result([replace(r, storage_data=(r.storage_data, self.fs.sums[r.storage_data.relative_path]))
-                             for r in results])
-        return carrying
+        if len(results) != len(plan.items):
+            raise RuntimeError(f"{len(plan.items) - len(results)} of this rank's {len(plan.items)} tensors were not "
+                               "written: a writer thread failed (its error is printed above)")
+        if not self.checksums:
+            return _done(results)
+        return _done([replace(r, storage_data=(r.storage_data, self.fs.sums[r.storage_data.relative_path]))
+                      for r in results])
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if not self.checksums:
+            return super().finish(metadata, results)
         plain = []  # .metadata holds DCP's own records only: any DCP reader can read the checkpoint
         for rank_results in results:
             self.sums.update((info.relative_path, sums) for info, sums in (r.storage_data for r in rank_results))
             plain.append([replace(r, storage_data=r.storage_data[0]) for r in rank_results])
         super().finish(metadata, plain)
-        # Written to a temporary name and renamed, so summed here. config.toml is not summed: resume does not read
-        # it, and export checks it on its own (saved_config), where a replacement from the run's folder is welcome.
+        # DCP writes it under another name and renames it: read back (it is small). config.toml is not summed: resume
+        # does not read it, and export checks it on its own (saved_config), where a replacement is welcome.
         self.sums[".metadata"] = _file_sum(Path(self.path) / ".metadata", threading.Event())
+
+
+def _done(results: list[WriteResult]) -> torch.futures.Future[list[WriteResult]]:
+    future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+    future.set_result(results)
+    return future
 
 
 def _file_sum(path: Path, stop: threading.Event) -> list[int]:
@@ -391,27 +416,37 @@ def _file_sum(path: Path, stop: threading.Event) -> list[int]:
     return [size, crc]
 
 
-def _damaged(folder: Path, recorded: dict[str, list[int]], threads: int, stop: threading.Event) -> list[str]:
-    """What is wrong with each of these files in `folder` whose size or CRC32 differs from `recorded`, `threads`
-    files at a time (zlib releases the GIL)."""
-    def problem(name: str) -> Optional[str]:
-        try:
-            size, crc = _file_sum(folder / name, stop)
-        except FileNotFoundError:
-            return f"{name} is missing"
-        except OSError as err:  # a storage fault: reported with the rest, by every rank, not as one rank's crash
-            return f"{name} cannot be read ({type(err).__name__}: {err})"
-        saved_size, saved_crc = recorded[name]
-        if stop.is_set():
-            return None
-        if size != saved_size:
-            return f"{name} holds {size:,} bytes where the save wrote {saved_size:,}"
-        if crc != saved_crc:
-            return f"{name} differs from what the save wrote (CRC32 {crc:08x}, saved {saved_crc:08x})"
+def _problem(folder: Path, name: str, saved: list[int], stop: threading.Event) -> Optional[str]:
+    """What is wrong with file `name` of a checkpoint, whose save recorded [size, CRC32] `saved`; None if nothing."""
+    try:
+        size, crc = _file_sum(folder / name, stop)
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as err:  # a storage fault: reported with the rest, by every rank, not as one rank's crash
+        return f"{name} cannot be read ({type(err).__name__}: {err})"
+    if stop.is_set():
         return None
+    if size != saved[0]:
+        return f"{name} holds {size:,} bytes where the save wrote {saved[0]:,}"
+    if crc != saved[1]:
+        return f"{name} differs from what the save wrote (CRC32 {crc:08x}, saved {saved[1]:08x})"
+    return None
 
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        return [found for found in pool.map(problem, sorted(recorded)) if found]
+
+def _corrupt(path: Path, problems: list[str], fix: str) -> CheckpointError:
+    more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+    return CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(problems[:3])}{more}. The files changed after "
+                           f"the save committed them (a storage fault, or a copy cut short); {fix}")
+
+
+def _share(names: list[str], rank: int, world: int, saved_world: int) -> list[str]:
+    """The files of a checkpoint this rank checks: on the saving world size, those it wrote itself (__<rank>_*),
+    which it also loads, so that on several nodes each file is read on the node that loads it; else every
+    world-th file. .metadata goes to rank 0."""
+    if world != saved_world:
+        return names[rank::world]
+    owner = {name: int(m.group(1)) if (m := re.match(r"__(\d+)_", name)) else 0 for name in names}
+    return [name for name in names if owner[name] == rank]
 
 
 @contextlib.contextmanager
@@ -422,35 +457,51 @@ def checked(path: Path, group: Optional[dist.ProcessGroup], fix: str, threads: i
     would read the whole checkpoint twice. Each rank of `group` (None: this process alone) checks its share of the
     files, `threads` at a time. After the block, every rank raises a CheckpointError naming the damaged files and
     `fix` (in place of the block's own error, which such files cause), or the list yielded holds what was checked,
-    to log; it stays empty for a checkpoint saved without checksums, and when not `enabled`."""
-    recorded = (read_trainer_state(path).get(CHECKSUMS) or {}) if enabled else {}
+    to log. It stays empty for a checkpoint saved without checksums, and when not `enabled` (then nothing else
+    happens either: every rank has the same setting)."""
+    state = read_trainer_state(path)
+    recorded = state.get(CHECKSUMS) or {}
+    if not enabled:
+        yield []
+        return
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    mine = {name: recorded[name] for name in sorted(recorded)[rank::world]}
-    start, stop, report, failure = time.perf_counter(), threading.Event(), [], None
+    mine = _share(sorted(recorded), rank, world, state["world_size"])
+    stop, report, failure = threading.Event(), [], None
+
+    def check() -> tuple[list[str], float]:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max(1, threads)) as pool:  # zlib releases the GIL
+            found = pool.map(lambda name: _problem(Path(path), name, recorded[name], stop), mine)
+            return [problem for problem in found if problem], time.perf_counter() - start
+
     with ThreadPoolExecutor(1) as pool:
-        checking = pool.submit(_damaged, Path(path), mine, threads, stop)
+        checking = pool.submit(check)
         try:
-            yield report
-        except Exception as err:  # the check decides which error to raise
-            failure = err
-        except BaseException:  # an interrupt or an exit: leave at once
+            try:
+                yield report
+            except DCP_ERRORS as err:  # the check decides which error to raise
+                failure = err
+            problems, seconds = checking.result()
+        except BaseException:  # an interrupt, an exit: leave at once
             stop.set()
             raise
-        problems = checking.result()
-    if group is not None:
-        everyone: list[Optional[list[str]]] = [None] * world
-        dist.all_gather_object(everyone, problems, group=group)
-        problems = sorted(problem for share in everyone for problem in share)
+    try:
+        if group is not None:
+            everyone: list[Optional[list[str]]] = [None] * world
+            dist.all_gather_object(everyone, problems, group=group)
+            problems = sorted(problem for share in everyone for problem in share)
+    except Exception:
+        if failure is None:
+            raise
+        raise failure  # the group broke: the block's own error says why
     if problems:
-        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-        raise CheckpointError(f"checkpoint {path} is corrupt: {'; '.join(problems[:3])}{more}. The files changed after "
-                              f"the save committed them (a storage fault, or a copy cut short); {fix}") from failure
+        raise _corrupt(Path(path), problems, fix) from failure
     if failure is not None:
         raise failure
     if recorded:
         size = sum(size for size, _ in recorded.values())
-        report.append(f"{len(recorded)} files ({size / 1e9:.3f} GB) match their checksums, checked in "
-                      f"{time.perf_counter() - start:.2f} s")
+        report.append(f"{len(recorded)} files ({size / 1e9:.3f} GB) match their checksums ({len(mine)} checked by "
+                      f"this process in {seconds:.2f} s)")
 
 
 def tensor_shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
@@ -626,7 +677,7 @@ class _Save:
     step: int
     path: Path
     future: Future
-    writer: dcp.FileSystemWriter
+    writer: CheckpointWriter
     trainer_state: dict
     started: float
     blocked: float
@@ -881,7 +932,7 @@ class Checkpointer:
         state = read_trainer_state(path)
         self._check_seq_len(path, state)
         self._check_data(path, state)
-        metadata = read_metadata(path, ways_past(path))
+        metadata = read_metadata(path, ways_past(path), self.cfg.checkpoint.checksums)
         model_sd, optim_sd = self._state_dicts()
         fix = ("Resume with the model settings it was saved with, or start a new run with --checkpoint.resume none "
                "and another --checkpoint.dir.")
@@ -902,7 +953,7 @@ class Checkpointer:
         with checked(path, self.group, ways_past(path), c.write_threads, enabled=c.checksums) as report:
             rng = self._read(path, metadata, model_sd, optim_sd, state["world_size"])
         if c.checksums:
-            logger.info(f"checked {path}: {report[0] if report else 'it has no checksums (saved with no_checksums)'}")
+            logger.info(f"checked {path}: {report[0] if report else NO_CHECKSUMS}")
         # The checkpoint brings the optimizer's state; its settings (weight decay, betas, eps, fused) are this
         # run's, which loading the saved param groups would replace. The learning rate is the scheduler's.
         settings = [{k: v for k, v in group.items() if k not in ("params", "lr")}
@@ -1048,9 +1099,7 @@ class Checkpointer:
             begun = time.perf_counter()
             path = step_dir(self.root, progress.step)
             self._make_room(path)
-            writer = (ChecksummingWriter if self.cfg.checkpoint.checksums else dcp.FileSystemWriter)(
-                # fsync stays on: the completion marker must never reach the disk before the shards it vouches for.
-                str(path), thread_count=self.cfg.checkpoint.write_threads, sync_files=True)
+            writer = CheckpointWriter(str(path), self.cfg.checkpoint.write_threads, self.cfg.checkpoint.checksums)
             future = self._write(writer)
             save = _Save(progress.step, path, future, writer, self._trainer_state(progress), begun,
                          time.perf_counter() - start)
@@ -1086,7 +1135,7 @@ class Checkpointer:
                 state["step"].zero_()  # in place: optim_sd holds these same tensors, not copies
         return model_sd, optim_sd
 
-    def _write(self, writer: dcp.FileSystemWriter) -> Future:
+    def _write(self, writer: CheckpointWriter) -> Future:
         """Hand this rank's shards to DCP; the returned future completes once every rank's are on storage."""
         state = self._state()
         if self.mode != "none":
@@ -1151,7 +1200,7 @@ class Checkpointer:
         if not self.info.is_main:
             return
         _test_crash("before_marker", save.step)
-        sums = save.writer.sums if isinstance(save.writer, ChecksummingWriter) else None
+        sums = save.writer.sums if save.writer.checksums else None
         if sums == {}:  # torch wrote through a copy of the writer: the checkpoint is whole, but resume cannot check it
             logger.warning(f"checkpoint {save.path}: no checksums reached rank 0; it is committed without them")
         marker = json.dumps({**save.trainer_state, CHECKSUMS: sums and dict(sorted(sums.items()))}, indent=1) + "\n"
@@ -1232,12 +1281,12 @@ def _list(root: str) -> None:
 
 def _verify(named: str) -> None:
     path = resolve(named, "checkpoint")
-    with checked(path, None, f"copy it again from where it was saved; or {ways_past(path)}",
-                 threads=os.cpu_count() or 1) as report:
+    fix = f"copy it again from where it was saved; or {ways_past(path)}"
+    read_metadata(path, fix)
+    with checked(path, None, fix, threads=os.cpu_count() or 1) as report:
         pass
     if not report:
-        raise CheckpointError(f"checkpoint {path} has no checksums (saved with checkpoint.no_checksums): it cannot be "
-                              "verified")
+        raise CheckpointError(f"checkpoint {path}: {NO_CHECKSUMS}, so it cannot be verified")
     print(f"{path}: {report[0]}")
 
 

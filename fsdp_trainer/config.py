@@ -201,8 +201,9 @@ class CheckpointConfig:
     same into fresh pageable memory at every save (slower: 61 s blocked vs 0.95 s for 8B on 2 H200s); none:
     training waits for the whole write."""
     write_threads: int = 4
-    """Files each rank writes (and checksums) in parallel per save (DCP's writer threads). Parallel and network
-    file systems reward more concurrent writers; a single local disk is limited by its own bandwidth either way."""
+    """Files each rank writes in parallel per save (DCP's writer threads), and checks against their checksums in
+    parallel on resume and init_from. Parallel and network file systems reward more concurrent writers; a single
+    local disk is limited by its own bandwidth either way."""
     checksums: bool = True
     """Record the size and CRC32 of every data file of a save and of its .metadata (each rank sums its files as it
     writes them), and check them while resume or init_from reads the checkpoint, each rank its share of the files:

@@ -99,7 +99,7 @@ def load_consolidated(path: Path, checksums: bool = True) -> tuple[dict[str, tor
     `checksums`, the files are checked against those the save recorded, if any."""
     path = resolve(path, "checkpoint")
     fix = "export an earlier complete checkpoint"
-    metadata = read_metadata(path, fix)
+    metadata = read_metadata(path, fix, checksums)
     cfg = saved_config(path)  # before the tensors: a large model's take minutes to read
     state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
@@ -288,7 +288,7 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
     path = resolve(source, "--checkpoint.init_from")
     model_sd = get_model_state_dict(model)
     fix = "give --checkpoint.init_from an earlier complete checkpoint"
-    check_shapes(path, read_metadata(path, fix), tensor_shapes({"model": model_sd}), "model.",
+    check_shapes(path, read_metadata(path, fix, threads > 0), tensor_shapes({"model": model_sd}), "model.",
                  "Set the --model.* flags it was saved with.")
     # A tied checkpoint loads into an untied model as two equal tensors (untying it); the other way round, one of
     # the saved two would overwrite the other in the model's single tensor.

@@ -586,8 +586,15 @@ def test_resume_refuses_missing_partial_and_corrupt_checkpoints(small, tmp_path,
     drop_checksums(root / "step_00000010")
     shutil.copytree(root / "step_00000004", root / "step_00000012")
     drop_checksums(root / "step_00000012")
+    # A size in the index changed by one bit: it still unpickles, and would read as another model's shape.
+    shutil.copytree(root / "step_00000002", root / "step_00000014")
+    index = root / "step_00000014" / ".metadata"
+    index.write_bytes(index.read_bytes().replace(b"K@", b"KA", 1))  # pickle's 1-byte int 64 -> 65
+    assert dcp.FileSystemReader(str(index.parent)).read_metadata()
     cases["truncated"] = (root / "step_00000004", "is corrupt: __0_0.distcp holds 1,000 bytes where the save wrote")
     cases["bad_metadata"] = (root / "step_00000010", "its .metadata cannot be read")
+    cases["metadata_that_unpickles"] = (root / "step_00000014", "is corrupt: .metadata differs from what the save "
+                                        "wrote")
     cases["truncated_without_checksums"] = (root / "step_00000012", "could not be read (rank 0: EOFError): "
                                             "__0_0.distcp holds 1,000 bytes where the index needs")
 
@@ -859,32 +866,32 @@ def test_each_way_past_a_corrupt_checkpoint_works(small, tmp_path, capfd):
 
 @pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata"])
 def test_verify_names_a_changed_file(small, tmp_path, capsys, name):
-    """One flipped bit in a summed file: `verify` and export name the file, and export writes nothing (export reads
-    .metadata first: damaged, it cannot be parsed); `export --no-checksums` salvages what a damaged shard still
-    holds. A checkpoint without checksums cannot be verified, and says so."""
+    """One flipped bit in a summed file: `verify` and export name the file, and export writes nothing;
+    `export --no-checksums` salvages what a damaged shard still holds. A checkpoint without checksums cannot be
+    verified, and says so."""
     step = tmp_path / "step_00000004"
     shutil.copytree(small / "checkpoints/step_00000004", step)
     ck.main(["verify", str(step)])
-    assert re.fullmatch(rf"{step}: {len(summed_files(step))} files \([\d.]+ GB\) match their checksums, checked in "
-                        r"[\d.]+ s\n", capsys.readouterr().out)
+    files = len(summed_files(step))
+    assert re.fullmatch(rf"{step}: {files} files \([\d.]+ GB\) match their checksums \({files} checked by this "
+                        r"process in [\d.]+ s\)\n", capsys.readouterr().out)
     flip_a_bit(step / name)
-    corrupt = f"checkpoint {step} is corrupt: {name} differs from what the save wrote"
-    unparsable = f"checkpoint {step}: its .metadata cannot be read (UnpicklingError"
-    for command, message in ((["verify", str(step)], corrupt),
-                             (["export", str(step), str(tmp_path / "export")],
-                              unparsable if name == ".metadata" else corrupt)):
+    for command in (["verify", str(step)], ["export", str(step), str(tmp_path / "export")]):
         with pytest.raises(SystemExit) as exit_info:
             ck.main(command)
         err = capsys.readouterr().err
-        assert exit_info.value.code == 2 and message in err, (command, err)
+        assert exit_info.value.code == 2 and f"checkpoint {step} is corrupt: {name} differs from what the save wrote" \
+            in err, (command, err)
     assert not (tmp_path / "export").exists()
     if name != ".metadata":
         ck.main(["export", "--no-checksums", str(step), str(tmp_path / "export")])
         assert (tmp_path / "export/model.pt").is_file()
-    drop_checksums(step)
+    plain = tmp_path / "plain" / "step_00000004"
+    shutil.copytree(small / "checkpoints/step_00000004", plain)
+    drop_checksums(plain)
     with pytest.raises(SystemExit) as exit_info:
-        ck.main(["verify", str(step)])
-    assert exit_info.value.code == 2 and "has no checksums" in capsys.readouterr().err
+        ck.main(["verify", str(plain)])
+    assert exit_info.value.code == 2 and f"{ck.NO_CHECKSUMS}, so it cannot be verified" in capsys.readouterr().err
 
 
 def test_a_flipped_bit_in_a_shard_stops_resume_on_every_rank(reference, tmp_path):
@@ -897,7 +904,7 @@ def test_a_flipped_bit_in_a_shard_stops_resume_on_every_rank(reference, tmp_path
     sums = ck.read_trainer_state(step10)[ck.CHECKSUMS]
     assert set(sums) == summed_files(step10)
     assert {name[:3] for name in sums if name.endswith(".distcp")} == {"__0", "__1"}
-    damaged = [name for name in sorted(sums)[1::2] if name.endswith(".distcp")][-1]  # in rank 1's share
+    damaged = sorted(name for name in sums if name.startswith("__1_"))[-1]  # rank 1 wrote it, and checks it
     flip_a_bit(step10 / damaged)
     before = tree(root)
     output = torchrun(2, tmp_path, "--train.steps", "12", ok=False)
@@ -938,6 +945,34 @@ def test_a_file_that_cannot_be_read_is_reported_by_every_rank(small):
     assert messages[0].endswith("the fix")
 
 
+@pytest.mark.parametrize("checksums", [[], ["--checkpoint.no_checksums"]], ids=["checksums", "no_checksums"])
+def test_a_save_whose_writer_thread_failed_is_never_committed(tmp_path, monkeypatch, checksums):
+    """torch only prints the error of a failed writer thread (one of checkpoint.write_threads but the first), and
+    DCP would commit a checkpoint without that thread's tensors, whose sums all match."""
+    from torch.distributed.checkpoint import filesystem
+    real = filesystem._write_item
+
+    def fails_off_the_main_thread(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(filesystem, "_write_item", fails_off_the_main_thread)
+    out = tmp_path / "run"
+    with pytest.raises(BaseException, match="tensors were not written: a writer thread failed"):
+        train_in_process("--train.steps", "2", "--checkpoint.async_mode", "none", "--checkpoint.write_threads", "2",
+                         "--train.output_dir", str(out), *checksums)
+    assert complete_steps(out / "checkpoints") == []
+
+
+def test_on_the_saving_world_size_each_rank_checks_the_files_it_wrote_and_loads():
+    names = sorted([".metadata", "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp", "__10_0.distcp"])
+    assert ck._share(names, 1, 11, 11) == ["__1_0.distcp", "__1_1.distcp"]
+    assert ck._share(names, 0, 11, 11) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
+    assert ck._share(names, 10, 11, 11) == ["__10_0.distcp"]
+    assert ck._share(names, 1, 2, 11) == names[1::2]  # resharded: no rank loads one rank's files
+
+
 def test_a_checkpoint_saved_without_checksums_resumes_and_says_so(tmp_path, capfd):
     out = tmp_path / "run"
     train_in_process("--train.steps", "2", "--checkpoint.async_mode", "none", "--checkpoint.no_checksums",
@@ -946,7 +981,7 @@ def test_a_checkpoint_saved_without_checksums_resumes_and_says_so(tmp_path, capf
     capfd.readouterr()
     train_in_process("--train.steps", "3", "--checkpoint.async_mode", "none", "--train.output_dir", str(out))
     err = capfd.readouterr().err
-    assert "step_00000002: it has no checksums (saved with no_checksums)" in err and "resuming from" in err
+    assert f"step_00000002: {ck.NO_CHECKSUMS}" in err and "resuming from" in err
     assert set(ck.read_trainer_state(out / "checkpoints/step_00000003")[ck.CHECKSUMS]) == \
         summed_files(out / "checkpoints/step_00000003")
 
