@@ -346,11 +346,8 @@ class _SummingFileSystem(FileSystem):
         self.sums: dict[str, list[int]] = {}
 
     @contextlib.contextmanager
-    def create_stream(self, path, mode: str):
+    def create_stream(self, path, mode: str):  # a writer's file system: it only writes
         with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
             summing = _SummingStream(stream)
             yield summing
         self.sums[Path(path).name] = [summing.size, summing.crc]  # one writer thread per file: no race
@@ -378,14 +375,17 @@ class CheckpointWriter(dcp.FileSystemWriter):
             self.fs.sums = {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
-        results = super().write_data(plan, planner).wait()  # FileSystemWriter has written when it returns
+        written = super().write_data(plan, planner)
+        results = written.wait()  # FileSystemWriter has written when it returns
         if len(results) != len(plan.items):
             raise RuntimeError(f"{len(plan.items) - len(results)} of this rank's {len(plan.items)} tensors were not "
                                "written: a writer thread failed (its error is printed above)")
         if not self.checksums:
-            return _done(results)
-        return _done([replace(r, storage_data=(r.storage_data, self.fs.sums[r.storage_data.relative_path]))
-                      for r in results])
+            return written
+        carrying: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        carrying.set_result([replace(r, storage_data=(r.storage_data, self.fs.sums[r.storage_data.relative_path]))
+                             for r in results])
+        return carrying
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if not self.checksums:
@@ -394,16 +394,12 @@ class CheckpointWriter(dcp.FileSystemWriter):
         for rank_results in results:
             self.sums.update((info.relative_path, sums) for info, sums in (r.storage_data for r in rank_results))
             plain.append([replace(r, storage_data=r.storage_data[0]) for r in rank_results])
+        data_files = set(self.fs.sums)
         super().finish(metadata, plain)
-        # DCP writes it under another name and renames it: read back (it is small). config.toml is not summed: resume
-        # does not read it, and export checks it on its own (saved_config), where a replacement is welcome.
-        self.sums[".metadata"] = _file_sum(Path(self.path) / ".metadata", threading.Event())
-
-
-def _done(results: list[WriteResult]) -> torch.futures.Future[list[WriteResult]]:
-    future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
-    future.set_result(results)
-    return future
+        # The one file finish() wrote: .metadata, under another name that it then renamed. config.toml is not summed:
+        # resume does not read it, and export checks it on its own (saved_config), where a replacement is welcome.
+        (index,) = set(self.fs.sums) - data_files
+        self.sums[".metadata"] = self.fs.sums[index]
 
 
 def _file_sum(path: Path, stop: threading.Event) -> list[int]:
