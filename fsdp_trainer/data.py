@@ -123,7 +123,13 @@ def _read_sidecar(bin_path: Path, where: str) -> Shard:
     if not valid:
         raise ConfigError(f"{where}: sidecar {meta_path.name} is corrupt (expected {{\"dtype\": \"uint16\"|\"uint32\", "
                           f"\"num_tokens\": N, \"vocab_size\": V, \"tokenizer\": ...}}); {fix}")
-    size = bin_path.stat().st_size
+    try:
+        # Opened here, not first in a loader worker once the GPUs are allocated and the checkpoint is loaded.
+        with open(bin_path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+    except OSError as err:
+        raise ConfigError(f"{where}: cannot read shard {bin_path} ({err.strerror}); make it readable, or "
+                          f"{fix}") from None
     if size != num_tokens * dtype.itemsize:
         raise ConfigError(f"{where}: shard {bin_path.name} has {size} bytes but its sidecar promises {num_tokens} "
                           f"{dtype.name} tokens ({num_tokens * dtype.itemsize} bytes), so one of them is truncated "
@@ -132,38 +138,41 @@ def _read_sidecar(bin_path: Path, where: str) -> Shard:
 
 
 class TokenStream:
-    """The tokens of a folder's shards as one sequence, read through memory maps."""
+    """The tokens of a folder's shards as one sequence."""
 
     def __init__(self, shards: list[Shard]):
         self.shards = shards
         self.starts = np.cumsum([0] + [s.num_tokens for s in shards])
-        self._maps: Optional[list[np.ndarray]] = None
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def __getstate__(self) -> dict:
-        # np.memmap pickles as a full in-memory copy of the file, so workers started by spawn must get the stream
-        # unopened. Maps inherited over fork are fine as they are.
-        return {**self.__dict__, "_maps": None}
-
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) of the stream, copied out of the maps."""
-        if self._maps is None:
-            # Opened lazily, in the process that reads: with loader workers, the training process never holds the
-            # files' descriptors or mapped pages, which would otherwise add up over many shards and ranks.
-            # An empty file cannot be memory-mapped.
-            self._maps = [np.memmap(s.path, dtype=s.dtype, mode="r", shape=(s.num_tokens,)) if s.num_tokens
-                          else np.empty(0, s.dtype) for s in self.shards]
+        """Tokens [start, stop) of the stream."""
         # side="right" picks the last shard starting at or before `start`, which skips empty shards.
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
         parts = []
         while start < stop:
             lo, hi = start - self.starts[i], min(stop, self.starts[i + 1]) - self.starts[i]
-            parts.append(self._maps[i][lo:hi])
+            parts.append(_read_tokens(self.shards[i], int(lo), int(hi)))
             start += hi - lo
             i += 1
         return np.concatenate(parts)
+
+
+def _read_tokens(shard: Shard, lo: int, hi: int) -> np.ndarray:
+    # Each read opens the file: a memory map kept per shard would hold a descriptor, so a loader worker reading a
+    # folder of more shards than `ulimit -n` (often 1024) would fail with "Too many open files".
+    size = shard.dtype.itemsize
+    fd = os.open(shard.path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, (hi - lo) * size, lo * size)
+    finally:
+        os.close(fd)
+    if len(data) != (hi - lo) * size:
+        raise DataError(f"shard {shard.path} is shorter than the {shard.num_tokens} tokens its sidecar promised at "
+                        f"start-up: it changed during the run; re-create it ({_PREPARE_HINT}) and resume")
+    return np.frombuffer(data, shard.dtype)
 
 
 def load_shards(path: str, where: Optional[str] = None) -> TokenStream:
@@ -176,7 +185,22 @@ def load_shards(path: str, where: Optional[str] = None) -> TokenStream:
     bins = sorted(root.glob("*.bin"))
     if not bins:
         raise ConfigError(f"{where}: no token shards (<name>.bin + <name>.json) in {root}; {_PREPARE_HINT}")
-    return TokenStream([_read_sidecar(b, where) for b in bins])
+    shards = [_read_sidecar(b, where) for b in bins]
+    for meta_path in sorted(set(root.glob("*.json")) - {b.with_suffix(".json") for b in bins}):
+        if _is_sidecar(meta_path):
+            raise ConfigError(f"{where}: shard {meta_path.with_suffix('.bin').name} is missing, but its sidecar "
+                              f"{meta_path.name} is there (an interrupted copy?): training would silently leave its "
+                              f"tokens out; copy the folder again, or {_PREPARE_HINT}")
+    return TokenStream(shards)
+
+
+def _is_sidecar(path: Path) -> bool:
+    """Whether a .json file is a shard's sidecar, not some other file kept with the shards (a tokenizer.json)."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "num_tokens" in meta
 
 
 def _check_stream(stream: TokenStream, where: str, seq_len: int, vocab_size: int) -> None:
@@ -539,14 +563,17 @@ def _documents(path: Path) -> Iterator[bytes]:
     if path.suffix == ".txt":
         yield path.read_bytes()
         return
-    with path.open(encoding="utf-8") as f:
+    # Lines as bytes, which json.loads decodes: a byte that is not UTF-8 is then an error naming its line.
+    with path.open("rb") as f:
         for line_number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 yield json.loads(line)["text"].encode("utf-8")
-            except (ValueError, KeyError, TypeError, AttributeError):
+            except (KeyError, TypeError, AttributeError):
                 raise ValueError(f"{path}:{line_number}: expected a JSON object with a string \"text\" field") from None
+            except ValueError as err:  # not JSON, not UTF-8, or an escaped lone surrogate ("\ud83d") in the text
+                raise ValueError(f"{path}:{line_number}: not a line of UTF-8 JSON text ({err})") from None
 
 
 def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = None,
@@ -565,7 +592,9 @@ def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = N
     writer = _ShardWriter(out, encoder.vocab_size, encoder.name, encoder.eos, shard_tokens, log)
     for path in files:
         for doc in _documents(path):
-            writer.add(encoder.encode(doc))
+            tokens = encoder.encode(doc)
+            if len(tokens):  # an empty document would only add a second end-of-document token
+                writer.add(tokens)
     written = writer.close()
     if not written:
         raise ValueError(f"no text in {', '.join(inputs)}: every document is empty")

@@ -2,7 +2,9 @@
 
 import json
 import multiprocessing
+import os
 import pickle
+import resource
 import subprocess
 import sys
 import threading
@@ -73,13 +75,13 @@ def test_prepare_round_trip(tmp_path, capsys):
     extra.write_text("last!")
     main(["prepare", str(inputs), str(extra), str(tmp_path / "out"), "--shard-tokens", "7"])
 
-    docs = ["héllo\nworld", "ünï", "two", "", "last!"]  # folder files sorted (a, c, sub/b), then the explicit file
+    docs = ["héllo\nworld", "ünï", "two", "last!"]  # folder files sorted (a, c, sub/b: empty, left out), then z.txt
     expected = []
     for i, doc in enumerate(docs):
         expected += ([BYTE_EOS] if i else []) + list(doc.encode("utf-8"))
     stream = load_shards(str(tmp_path / "out"))
     assert stream.read(0, len(stream)).tolist() == expected
-    assert len(expected) == 29 and [s.num_tokens for s in stream.shards] == [7, 7, 7, 7, 1]
+    assert len(expected) == 28 and [s.num_tokens for s in stream.shards] == [7, 7, 7, 7]
     meta = json.loads((tmp_path / "out" / "shard_00000.json").read_text())
     assert meta == {"dtype": "uint16", "num_tokens": 7, "vocab_size": 257, "tokenizer": "bytes"}
     assert not list((tmp_path / "out").glob(".*"))  # every temporary file was renamed into place
@@ -99,6 +101,17 @@ def test_prepare_refuses_bad_inputs(tmp_path):
     prepare([str(tmp_path / "ok.txt")], str(tmp_path / "o4"), log=lambda _: None)
     with pytest.raises(ValueError, match="already holds shards"):
         prepare([str(tmp_path / "ok.txt")], str(tmp_path / "o4"))
+    # The file and line of text that is not UTF-8, or that JSON escapes to a lone surrogate (half an emoji).
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match="latin1.jsonl:2: not a line of UTF-8 JSON text .*can't decode byte 0xe9"):
+        prepare([str(tmp_path / "latin1.jsonl")], str(tmp_path / "o5"))
+    (tmp_path / "half.jsonl").write_text('{"text": "a\\ud83db"}\n')
+    with pytest.raises(ValueError, match="half.jsonl:1: not a line of UTF-8 JSON text .*surrogates not allowed"):
+        prepare([str(tmp_path / "half.jsonl")], str(tmp_path / "o6"))
+    (tmp_path / "e1.txt").write_text("")
+    (tmp_path / "e2.jsonl").write_text('{"text": ""}\n')
+    with pytest.raises(ValueError, match="every document is empty"):
+        prepare([str(tmp_path / "e1.txt"), str(tmp_path / "e2.jsonl")], str(tmp_path / "o7"))
 
 
 def test_prepare_without_tokenizers_package(tmp_path, monkeypatch):
@@ -121,10 +134,31 @@ def test_windows_are_non_overlapping_and_cross_shards(tmp_path, num_tokens):
         assert torch.equal(inputs, window[:-1]) and torch.equal(labels, window[1:])
 
 
+def test_reading_holds_no_file_open_per_shard(tmp_path):
+    """Folders of more shards than the open-file limit (`ulimit -n`, often 1024) must be readable."""
+    write_arange_shards(tmp_path, 400, sizes=(1,) * 399)
+    dataset = build_dataset(tokens_cfg(tmp_path), SEQ_LEN, VOCAB)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 100, hard))
+    try:
+        windows = torch.cat([dataset.window(k)[0] for k in range(dataset.num_samples)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert windows.tolist() == dataset.stream.read(0, len(windows)).tolist()
+
+
+def test_a_shard_cut_short_during_the_run_is_named(tmp_path):
+    write_arange_shards(tmp_path, 100, sizes=(50,))
+    dataset = build_dataset(tokens_cfg(tmp_path), SEQ_LEN, VOCAB)
+    (tmp_path / "part_01.bin").write_bytes((tmp_path / "part_01.bin").read_bytes()[:60])
+    with pytest.raises(DataError, match=f"shard {tmp_path / 'part_01.bin'} is shorter than the 50 tokens"):
+        dataset.window(dataset.num_samples - 1)
+
+
 def test_stream_pickles_without_its_data(tmp_path):
     write_arange_shards(tmp_path, 50_000, sizes=(20_000,))
     stream = load_shards(str(tmp_path))
-    stream.read(0, 50_000)  # opens the maps
+    stream.read(0, 50_000)
     assert len(pickle.dumps(stream)) < 5_000  # a pickled memmap would carry all 100 kB of tokens
 
 
@@ -337,10 +371,18 @@ def corrupt(folder: Path, how: str) -> None:
     elif how == "truncated":
         data = (folder / "part_01.bin").read_bytes()
         (folder / "part_01.bin").write_bytes(data[:-2])
+    elif how == "broken link":
+        (folder / "part_01.bin").unlink()
+        (folder / "part_01.bin").symlink_to(folder / "elsewhere.bin")
+    elif how == "missing shard":  # a copy that got the sidecar across but not the shard
+        (folder / "part_00.bin").unlink()
+        (folder / "tokenizer.json").write_text('{"model": {}}')  # other .json files may sit beside the shards
 
 
 @pytest.mark.parametrize("how,message", [("no sidecar", "no sidecar part_01.json"), ("not json", "corrupt"),
-                                         ("bad dtype", "corrupt"), ("truncated", "98 bytes")])
+                                         ("bad dtype", "corrupt"), ("truncated", "98 bytes"),
+                                         ("broken link", "cannot read shard .*part_01.bin"),
+                                         ("missing shard", "shard part_00.bin is missing, but its sidecar")])
 def test_broken_shards_are_refused(tmp_path, how, message):
     corrupt(tmp_path, how)
     with pytest.raises(ConfigError, match=f"data.path={tmp_path}.*{message}"):
