@@ -35,6 +35,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_trainer.distributed import logger
 
 EXIT_HANG = 3
+# How far the process groups' own timeout trails the watchdog's, for the watchdog to notice (up to a poll late), hear
+# the other ranks and report first: the group's timeout ends a waiting rank (gloo raises, NCCL aborts) without a word
+# on the suspect, and the report of the rank that times out next would call it dead.
+BACKSTOP_S = 60
 # Per torchrun restart: a restarted job must not read the reports or the alarm of the attempt before.
 _ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 REPORT = f"fsdp_trainer/stalled/{_ATTEMPT}/{{}}"
@@ -84,7 +88,7 @@ class Watchdog:
         # The mesh's sub-groups (HSDP) start with the backend's default timeout (NCCL 10 min, gloo 30), not the
         # default group's: every group gets the same timeouts.
         self.groups = [None, *(mesh.get_group(dim) for dim in range(mesh.ndim))]
-        self._set_group_timeouts(init_timeout_s)
+        self._set_group_timeouts(init_timeout_s + BACKSTOP_S)
         self.step, self.timeout, self.steady = 0, init_timeout_s, False
         self.last_progress = time.monotonic()
         self.paused_for: tuple[str, ...] = ()  # what this rank does meanwhile (replaced whole: read by _watch)
@@ -98,7 +102,7 @@ class Watchdog:
         self.step, self.last_progress = step, time.monotonic()
         if not self.steady:
             self.steady, self.timeout = True, self.timeout_s
-            self._set_group_timeouts(self.timeout_s + 60)
+            self._set_group_timeouts(self.timeout_s + BACKSTOP_S)
 
     def _set_group_timeouts(self, seconds: float) -> None:
         for group in self.groups:

@@ -148,16 +148,24 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
 
     `groups` are modules outside the blocks that deserve their own all-gather (for Llama: the embedding;
     the final norm with the output projection). A 1-D mesh shards; a 2-D
-    (replicate, shard) mesh gives HSDP. Sharded parameters stay float32 (the optimizer's master weights);
-    `param_dtype` is only the dtype they are gathered in. `keep_gathered` blocks, counted back from the last, also
-    stay gathered after forward under the default policy. `prefetch` > 1 makes each block all-gather that many
-    blocks ahead of itself, in forward and in backward (1 leaves FSDP2's schedule of one ahead).
+    (replicate, shard) mesh gives HSDP. Sharded parameters stay float32 (the optimizer's master weights; a
+    model built in 16 bits is refused); `param_dtype` is only the dtype they are gathered in. `keep_gathered`
+    blocks, counted back from the last, also stay gathered after forward under the default policy. `prefetch` > 1
+    makes each block all-gather that many blocks ahead of itself, in forward and in backward (1 leaves FSDP2's
+    schedule of one ahead).
     `grads_in_compute_pool` lets the sharded gradients and the activations share memory (CUDA). It is refused
     where it would be unsafe (`ComputePoolReduceScatter`): here for a 2-D mesh, CPU offload or a reduction that is
     not float32; during backward if a reduce-scatter would add into existing gradients."""
     if grads_in_compute_pool and (mesh.ndim != 1 or cpu_offload or reduce_dtype != torch.float32):
         raise ValueError("grads_in_compute_pool needs a 1-D mesh, float32 reduction and no CPU offload: the sharded "
                          "gradients must be the reduce-scatter's output itself")
+    # fully_shard keeps each parameter's dtype for its shard, the optimizer's master weight: from a model built in
+    # 16 bits, the weights, AdamW's moments and the float32-reduced gradients would all be silently rounded to it.
+    low = [name for name, param in model.named_parameters() if param.dtype in (torch.bfloat16, torch.float16)]
+    if low:
+        raise ValueError(f"apply_fsdp: {', '.join(low[:4])}{' ...' if len(low) > 4 else ''} are not float32, and "
+                         "the sharded parameters are the optimizer's master weights; build the model in float32 "
+                         "(param_dtype is the dtype forward and backward compute in)")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp, offload_policy=offload)
@@ -165,12 +173,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     groups = [list(group) for group in groups]
     # The unit that runs last in forward runs first in backward: freeing its parameters only to all-gather them
     # again at once would cost a collective and save no memory at the peak. By registration order: the last
-    # block, or a group registered after it (Llama's final norm and output projection).
+    # block, or a group with a module registered after it (Llama's final norm and output projection; a tied
+    # embedding and head, whose group also runs first).
     position = {id(module): index for index, module in enumerate(model.modules())}
     if any(id(module) not in position for group in groups for module in group):
         raise ValueError("every module in `groups` must be a submodule of the model being sharded")
     _check_ties(model, blocks, groups)
-    last = max([blocks[-1], *(group[0] for group in groups)], key=lambda module: position[id(module)])
+    last = max([[blocks[-1]], *groups], key=lambda unit: max(position[id(module)] for module in unit))[0]
 
     def reshard(keep: bool) -> bool:
         return {"always": True, "never": False, "default": not keep}[reshard_after_forward]
@@ -243,7 +252,8 @@ def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload:
       MultiheadAttention, the `_reset_parameters()` their constructors call), each module's after its children's
       as in eager construction, so that a block's own reset_parameters() has the last word over its submodules'.
       World-size independent only where DTensor's random ops are (CUDA).
-    - `init_buffers()`: recomputes the buffers (a RoPE table, say), which materializing leaves unset.
+    - `init_buffers()`: recomputes the buffers (a RoPE table, say), which materializing leaves unset. Without it,
+      each buffer is left to its own module's reset, with or without init_param.
     - `tie_weights()`: ties shared parameters again after materializing.
     A parameter or buffer that none of these would fill is an error, raised before anything is allocated: a
     parameter counts as filled where its module or any module around it resets, a buffer only where its own
@@ -272,6 +282,13 @@ def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload:
             if reset:
                 reset()
         return
+    if not hasattr(model, "init_buffers"):
+        # init_param fills parameters only: each buffer is its own module's reset to fill (a BatchNorm's running
+        # statistics), as _left_unset counted on. The parameters these resets fill too are filled again below.
+        for module in _children_first(model):
+            reset = _reset_of(module)
+            if reset and next(module.buffers(recurse=False), None) is not None:
+                reset()
     for name, param in model.named_parameters():
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
         model.init_param(name, full, param_generator(seed, name, full.device))

@@ -178,11 +178,24 @@ def _group_timeouts(init_timeout_s: float, timeout_s: float) -> list[float]:
 @pytest.mark.parametrize("init_timeout_s,timeout_s", [(30.0, 5.0), (5.0, 5.0)])
 def test_the_hsdp_mesh_groups_get_the_watchdogs_timeouts(init_timeout_s, timeout_s):
     """DeviceMesh creates HSDP's sub-groups with the backend's default timeout (30 min on gloo, 10 on NCCL): the
-    watchdog sets dist.init_timeout_s on them, and dist.timeout_s (+60 s behind the watchdog) after step 1, also
+    watchdog sets dist.init_timeout_s on them, and dist.timeout_s after step 1, each 60 s behind its own, also
     where the two are equal."""
     for before, after in run_ranks(_group_timeouts, 4, init_timeout_s, timeout_s):
-        assert before == [datetime.timedelta(seconds=init_timeout_s)] * 2
+        assert before == [datetime.timedelta(seconds=init_timeout_s + 60)] * 2
         assert after == [datetime.timedelta(seconds=timeout_s + 60)] * 2
+
+
+def test_a_rank_hung_in_the_first_step_is_named_before_the_group_timeout_ends_the_others(tmp_path):
+    """Until step 1 is done the watchdog's timeout is dist.init_timeout_s, and it looks every 5 s (a quarter of
+    dist.timeout_s, at most 5 s): the process group's own timeout must trail it, or it ends the rank that waits for
+    the hung one first, with a bare "Timed out", and the hung rank's report then calls that rank dead."""
+    proc, elapsed = launch("hang", "1", 1, tmp_path, "--train.steps", "3", "--dist.init_timeout_s", "6",
+                           "--dist.timeout_s", "20", "--checkpoint.interval", "0", "--checkpoint.no_save_final")
+    assert proc.returncode != 0
+    assert "suspect rank(s): 1 (busy outside any collective or GPU sync, at faulty_step (fault_worker.py" in \
+        proc.stderr, proc.stderr[-3000:]
+    assert "sent no report" not in proc.stderr and "Timed out" not in proc.stderr, proc.stderr[-3000:]
+    assert elapsed < ENDS_WITHIN, elapsed
 
 
 def test_a_crashed_rank_ends_the_job_naming_it_with_its_traceback(tmp_path):

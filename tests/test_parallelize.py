@@ -457,3 +457,61 @@ def test_init_weights_refuses_a_parameter_no_module_around_it_resets():
         model = nn.Sequential(nn.Linear(4, 4), Gate(4))
     with pytest.raises(ValueError, match=r"cannot initialize 1.scale: materialized from meta"):
         init_weights(model, torch.device("cpu"))
+
+
+def test_init_param_leaves_each_buffer_to_its_modules_reset():
+    """init_param fills parameters only: a BatchNorm's running statistics, which _left_unset counts as filled by the
+    BatchNorm's reset_parameters(), are reset (materialized from meta, they held garbage)."""
+    from fsdp_trainer.parallelize import init_weights
+
+    class Normed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(64, 64)
+            self.norm = nn.BatchNorm1d(64)
+
+        def init_param(self, name, tensor, generator):
+            tensor.fill_(0.5)
+
+    with torch.device("meta"):
+        model = Normed()
+    init_weights(model, torch.device("cpu"))
+    assert torch.equal(model.norm.running_mean, torch.zeros(64))
+    assert torch.equal(model.norm.running_var, torch.ones(64))
+    assert model.norm.num_batches_tracked.item() == 0
+    assert all(torch.equal(param, torch.full_like(param, 0.5)) for param in model.parameters())  # init_param's
+
+
+def tied_group_gathered_after_forward():
+    """TiedLM sharded with its tied embedding and head in one group (with the final norm): whether each block, and
+    the group, still hold gathered parameters between forward and backward."""
+    from fsdp_trainer import distributed
+    from fsdp_trainer.parallelize import init_weights
+    distributed.init()
+    with torch.device("meta"):
+        model = TiedLM()
+    apply_fsdp(model, distributed.build_mesh("cpu", 1, 2), block_types=(AttentionBlock,),
+               groups=[[model.embed, model.norm, model.head]], param_dtype=torch.float32)
+    init_weights(model, torch.device("cpu"))
+    model(torch.zeros(1, 4, dtype=torch.long)).sum()
+    return [is_gathered(block) for block in model.blocks], is_gathered(model.head)
+
+
+def test_a_group_that_runs_last_stays_gathered_though_its_first_module_runs_first():
+    """The group's head runs after the last block, so the group, not that block, is the unit kept gathered after
+    forward, though its embedding is registered (and runs) before the blocks."""
+    assert run_ranks(tied_group_gathered_after_forward, 2) == [([False, False], True)] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_apply_fsdp_refuses_a_model_built_in_16_bits_before_sharding(monkeypatch, dtype):
+    """fully_shard would keep the 16-bit dtype for the sharded parameters: master weights and AdamW moments in 16
+    bits, and the float32-reduced gradients rounded down to it, with nothing to show for it but a worse loss."""
+    from fsdp_trainer import parallelize
+
+    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
+    model = build(ARGS, device="meta").to(dtype)
+    with pytest.raises(ValueError, match=r"apply_fsdp: tok_embeddings.weight, layers.0.attention_norm.weight, "
+                                         r"layers.0.attention.wq.weight, layers.0.attention.wk.weight ... are not "
+                                         "float32, and the sharded parameters are the optimizer's master weights"):
+        apply_fsdp(model, None, block_types=(TransformerBlock,))
