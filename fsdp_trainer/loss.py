@@ -62,7 +62,9 @@ def _loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
         if grad_hidden is not None:
             torch.mm(grad_logits, weight, out=grad_hidden[start:start + chunk_tokens])
         if grad_weight is not None:
-            grad_weight += grad_logits.t() @ h
+            # In float16 the product alone, a sum over the chunk's tokens, can pass 65504 before any loss scale
+            # divides it: every later step would overflow alike, the scaler would cut its scale to a stop.
+            grad_weight += grad_logits.t().float() @ h.float() if h.dtype == torch.float16 else grad_logits.t() @ h
     return total
 
 

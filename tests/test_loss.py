@@ -108,7 +108,8 @@ def test_the_weight_gradient_is_no_less_precise_in_many_chunks():
     assert error(64) <= 1.5 * error(4096)
 
 
-def test_float16_weight_gradient_of_many_tokens_does_not_overflow_before_the_loss_scale_divides_it():
+@pytest.mark.parametrize("chunk", [2048, 8192])  # 8192: one chunk, whose own sum passes 65504
+def test_float16_weight_gradient_of_many_tokens_does_not_overflow_before_the_loss_scale_divides_it(chunk):
     """Over 8192 tokens of one frequent label the weight's gradient of the summed loss passes float16's 65504,
     while the scaled gradient of the mean (what backward returns) fits easily."""
     torch.manual_seed(0)
@@ -117,7 +118,7 @@ def test_float16_weight_gradient_of_many_tokens_does_not_overflow_before_the_los
     labels = torch.zeros(8192, dtype=torch.long)
     labels[::4] = 1
     scale = 1024.0
-    linear_cross_entropy(hidden, weight, labels, 2048).backward(torch.tensor(scale, dtype=torch.float16))
+    linear_cross_entropy(hidden, weight, labels, chunk).backward(torch.tensor(scale, dtype=torch.float16))
     reference = weight.detach().float().requires_grad_()
     (F.cross_entropy(hidden.detach().float() @ reference.t(), labels) * scale).backward()
     assert weight.grad.dtype == torch.float16

@@ -64,6 +64,7 @@ def test_allocator_retries_are_recorded_and_warned_about_once(monkeypatch, tmp_p
     ("NVIDIA H200 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A10", 125e12),
     ("NVIDIA L40S", 362e12), ("NVIDIA RTX A4000", None), ("Tesla V100-SXM2-32GB", 125e12),
     ("NVIDIA GeForce RTX 4090", 165e12), ("NVIDIA GeForce RTX 3090", 71e12), ("NVIDIA H800 PCIe", 756e12),
+    ("Tesla V100-PCIE-32GB", 112e12), ("Tesla V100S-PCIE-32GB", 130e12),
 ])
 def test_peak_flops_match_whole_card_names(monkeypatch, name, peak):
     from fsdp_trainer import metrics
