@@ -8,6 +8,7 @@ import resource
 import subprocess
 import sys
 import threading
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -177,6 +178,32 @@ def test_order_is_a_pure_function_of_seed_and_index(shards):
     for g in (77, 3, 41, 0, 119):
         assert torch.equal(a[g][0], b[g][0])
         assert a[g][0][0] // SEQ_LEN == forward[g]
+
+
+@pytest.mark.parametrize("num_samples", [1, 2, 3, 5, 16, 17, 1000, 4097])
+def test_order_visits_every_sample_once_per_epoch(num_samples):
+    order = SampleOrder(num_samples, seed=3)
+    epochs = [[order(epoch * num_samples + i) for i in range(num_samples)] for epoch in range(3)]
+    assert all(sorted(epoch) == list(range(num_samples)) for epoch in epochs)
+    assert num_samples < 5 or epochs[0] != epochs[1]  # each epoch its own order
+
+
+def test_order_is_computed_per_index_without_storing_a_permutation():
+    """A permutation of 10^12 samples would take 8 TB: the order of a trillion-sample dataset costs nothing to hold."""
+    order = SampleOrder(10**12, seed=0)
+    picked = [order(g) for g in (0, 1, 5 * 10**12 + 7)]
+    assert all(0 <= k < 10**12 for k in picked) and len(set(picked)) == 3
+
+
+def test_order_looks_uniformly_random():
+    """Over 5,000 epochs each of 10 samples comes first about 500 times (binomial sd 21); in one epoch of 1,000,
+    half the neighbours ascend, and samples move n/3 on average, as in a uniformly drawn permutation."""
+    first = Counter(SampleOrder(10, seed=1)(10 * epoch) for epoch in range(5000))
+    assert len(first) == 10 and all(400 < count < 600 for count in first.values()), first
+    order = SampleOrder(1000, seed=2)
+    epoch = [order(i) for i in range(1000)]
+    assert 0.45 < sum(a < b for a, b in zip(epoch, epoch[1:])) / 999 < 0.55
+    assert 300 < sum(abs(k - i) for i, k in enumerate(epoch)) / 1000 < 367
 
 
 def test_identity_names_what_the_order_depends_on(shards, tmp_path):
