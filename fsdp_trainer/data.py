@@ -515,6 +515,9 @@ def _hf_encoder(path: str) -> _Encoder:
     if not Path(path).is_file():
         raise ValueError(f"--tokenizer {path}: no such file (expected a Hugging Face tokenizer.json)")
     tokenizer = Tokenizer.from_file(path)
+    # A document's text is text: "<|endoftext|>" written in it (code, a page about tokenizers) must not become the
+    # separator, or any other special token, and cut the document in two.
+    tokenizer.encode_special_tokens = True
     eos = next((tokenizer.token_to_id(t) for t in _EOS_NAMES if tokenizer.token_to_id(t) is not None), None)
     if eos is None:
         raise ValueError(f"--tokenizer {path}: has none of the end-of-document tokens {', '.join(_EOS_NAMES)}")
@@ -633,8 +636,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("inputs", nargs="+", help=".txt files (one document each), .jsonl files (a \"text\" field "
                                              "per line), or folders of them (searched recursively, sorted)")
     p.add_argument("output_dir", help="folder for the shards (created; must hold no shards yet)")
-    p.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (needs `pip install tokenizers`); "
-                                       "default: bytes, token 256 separating documents")
+    p.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (needs `pip install tokenizers`), whose "
+                                       "end-of-document token separates documents, and whose special tokens "
+                                       "written in a document are encoded as text; default: bytes, token 256 "
+                                       "separating documents")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
     args = parser.parse_args(argv)
     try:

@@ -533,3 +533,10 @@ def test_prepare_with_a_hugging_face_tokenizer(tmp_path):
     for i, text in enumerate(texts[:4]):
         expected += ([eos] if i else []) + tok.encode(text).ids
     assert tokens == expected
+
+    # The separator's text inside a document is text, not a second document boundary.
+    (tmp_path / "quoted.txt").write_text("the dog<|endoftext|>the fox")
+    prepare([str(tmp_path / "doc0.txt"), str(tmp_path / "quoted.txt")], str(tmp_path / "quoted"),
+            tokenizer=str(tmp_path / "tokenizer.json"), log=lambda *a: None)
+    stream = load_shards(str(tmp_path / "quoted"), "test")
+    assert stream.read(0, len(stream)).tolist().count(eos) == 1
