@@ -25,6 +25,7 @@ import json
 import logging
 import itertools
 import os
+import re
 import signal
 import sys
 import sysconfig
@@ -182,7 +183,7 @@ def load_shards(path: str, where: Optional[str] = None) -> TokenStream:
     if not root.is_dir():
         problem = "is a file" if root.exists() else "does not exist"
         raise ConfigError(f"{where}: {root} {problem}; expected a folder of token shards ({_PREPARE_HINT})")
-    bins = sorted(root.glob("*.bin"))
+    bins = sorted(root.glob("*.bin"), key=_numbers_in_order)
     if not bins:
         raise ConfigError(f"{where}: no token shards (<name>.bin + <name>.json) in {root}; {_PREPARE_HINT}")
     shards = [_read_sidecar(b, where) for b in bins]
@@ -192,6 +193,13 @@ def load_shards(path: str, where: Optional[str] = None) -> TokenStream:
                               f"{meta_path.name} is there (an interrupted copy?): training would silently leave its "
                               f"tokens out; copy the folder again, or {_PREPARE_HINT}")
     return TokenStream(shards)
+
+
+def _numbers_in_order(path: Path) -> tuple:
+    """A sort key that orders the numbers in names by value: shard_100000 after shard_99999, part_10 after part_9
+    (prepare's names are zero-padded to 5 digits, and a corpus of 10T tokens has more shards than that)."""
+    parts = re.split(r"(\d+)", path.name)
+    return [int(part) if i % 2 else part for i, part in enumerate(parts)], path.name
 
 
 def _is_sidecar(path: Path) -> bool:

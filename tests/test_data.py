@@ -148,6 +148,13 @@ def test_reading_holds_no_file_open_per_shard(tmp_path):
     assert windows.tolist() == dataset.stream.read(0, len(windows)).tolist()
 
 
+def test_shards_are_read_in_the_order_of_the_numbers_in_their_names(tmp_path):
+    """prepare pads shard numbers to 5 digits: shard_100000 comes after shard_99999, not before shard_10001."""
+    for number, token in ((10001, 1), (99999, 2), (100000, 3), (9, 0)):
+        write_shard(tmp_path / f"shard_{number:05d}.bin", np.array([token]), VOCAB, "bytes")
+    assert load_shards(str(tmp_path)).read(0, 4).tolist() == [0, 1, 2, 3]
+
+
 def test_a_shard_cut_short_during_the_run_is_named(tmp_path):
     write_arange_shards(tmp_path, 100, sizes=(50,))
     dataset = build_dataset(tokens_cfg(tmp_path), SEQ_LEN, VOCAB)
