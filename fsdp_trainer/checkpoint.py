@@ -26,7 +26,7 @@ Layout of <checkpoint.dir>/step_00000200/:
                          settings from it (resume needs none of it)
     trainer_state.json   written last, by rank 0, once DCP finished: its presence marks the checkpoint committed.
                          Holds the size and CRC32 of every .distcp file and of .metadata (checked while a load
-                         reads them), step, consumed_samples, tokens_seen, skipped_steps (non-finite), LR-scheduler and
+                         reads them) and a CRC32 of its own other contents (checked when it is read), step, consumed_samples, tokens_seen, skipped_steps (non-finite), LR-scheduler and
                          grad-scaler state, world size, seq_len, the data's identity, and started_from (the
                          --checkpoint.resume path that began this run, kept by every resume since, if one was
                          named).
@@ -83,6 +83,9 @@ from fsdp_trainer.models.llama import model_args_from_config
 
 MARKER = "trainer_state.json"
 CHECKSUMS = "checksums"  # the marker's {file name: [size, CRC32]} of the .distcp files and .metadata
+# The marker's CRC32 of its other keys, serialized canonically: a digit changed in consumed_samples would resume at
+# another sample, and nothing else would notice.
+MARKER_SUM = "marker_crc32"
 NO_CHECKSUMS = "it has no checksums (saved with --checkpoint.no_checksums, or by an older fsdp_trainer)"
 CONFIG = "config.toml"
 FORMAT = 1
@@ -154,9 +157,16 @@ def unusable_reason(path: Path) -> Optional[str]:
     if missing:
         return (f"has a {MARKER} without {', '.join(missing)} (edited, or written by another version of "
                 "fsdp_trainer?)")
+    if MARKER_SUM in state and state[MARKER_SUM] != _marker_sum(state):
+        return (f"has a {MARKER} that differs from what the save wrote (its {MARKER_SUM} does not match: damaged "
+                f"since, or edited; if edited on purpose, delete its \"{MARKER_SUM}\" line)")
     if not (Path(path) / ".metadata").is_file():  # rank 0 commits only after DCP wrote it: removed since
         return f"has a {MARKER} but no .metadata (deleted after the save?)"
     return None
+
+
+def _marker_sum(state: dict) -> int:
+    return zlib.crc32(json.dumps({k: v for k, v in state.items() if k != MARKER_SUM}, sort_keys=True).encode())
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -1199,7 +1209,10 @@ class Checkpointer:
         sums = save.writer.sums if save.writer.checksums else None
         if sums == {}:  # torch wrote through a copy of the writer: the checkpoint is whole, but resume cannot check it
             logger.warning(f"checkpoint {save.path}: no checksums reached rank 0; it is committed without them")
-        marker = json.dumps({**save.trainer_state, CHECKSUMS: sums and dict(sorted(sums.items()))}, indent=1) + "\n"
+        state = {**save.trainer_state, CHECKSUMS: sums and dict(sorted(sums.items()))}
+        if sums is not None:
+            state[MARKER_SUM] = _marker_sum(state)
+        marker = json.dumps(state, indent=1) + "\n"
         write_atomic(save.path / MARKER, lambda f: f.write(marker.encode()))
         size, seconds = _size_bytes(save.path), (save.finished or time.perf_counter()) - save.started
         logger.info(f"checkpoint {save.path} complete: {size / 1e9:.3f} GB in {seconds:.2f} s "

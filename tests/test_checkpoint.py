@@ -92,6 +92,7 @@ def drop_checksums(step: Path) -> None:
     """Make `step` a checkpoint saved with checkpoint.checksums off: DCP's own checks are all there is."""
     state = ck.read_trainer_state(step)
     state[ck.CHECKSUMS] = None
+    del state[ck.MARKER_SUM]
     (step / ck.MARKER).write_text(json.dumps(state))
 
 
@@ -645,10 +646,36 @@ def test_init_from_a_corrupt_checkpoint_or_hf_folder_names_the_file(small, tmp_p
         weights.load_weights(build(args, device="cpu"), f"hf:{hf}", args)
 
 
+def test_a_marker_changed_since_the_save_is_unusable(small, tmp_path, capsys):
+    """A digit changed in trainer_state.json (consumed_samples 8 -> 9) would resume one sample on: the marker's own
+    CRC32 catches it, at resume, in verify and in list; with the sum's line deleted (an edit on purpose) it loads."""
+    root = tmp_path / "checkpoints"
+    shutil.copytree(small / "checkpoints", root)
+    marker = ck.step_dir(root, 4) / ck.MARKER
+    text = marker.read_text()
+    assert '"consumed_samples": 8,' in text
+    marker.write_text(text.replace('"consumed_samples": 8,', '"consumed_samples": 9,'))
+    with pytest.raises(ck.CheckpointError, match=f"step_00000004 cannot be used: it has a {ck.MARKER} that differs "
+                                                 f"from what the save wrote .*delete its \"{ck.MARKER_SUM}\" line"):
+        ck.find_latest(root)
+    with pytest.raises(SystemExit):
+        ck.main(["verify", str(ck.step_dir(root, 4))])
+    assert f"it has a {ck.MARKER} that differs from what the save wrote" in capsys.readouterr().err
+    ck.main(["list", str(root)])
+    assert f"step_00000004  UNUSABLE: it has a {ck.MARKER} that differs" in capsys.readouterr().out
+
+    state = json.loads(marker.read_text())
+    del state[ck.MARKER_SUM]
+    marker.write_text(json.dumps(state))
+    assert ck.find_latest(root)[0] == ck.step_dir(root, 4)
+    assert ck.read_trainer_state(ck.step_dir(root, 4))["consumed_samples"] == 9
+
+
 def test_a_marker_without_the_resume_fields_is_unusable_and_list_says_so(small, tmp_path, capsys):
     root = tmp_path / "checkpoints"
     shutil.copytree(small / "checkpoints", root)
-    for step, keys in ((2, ["skipped_steps"]), (4, ["consumed_samples"])):  # older checkpoints lack skipped_steps
+    # Older checkpoints lack skipped_steps, and the marker's own sum
+    for step, keys in ((2, ["skipped_steps", ck.MARKER_SUM]), (4, ["consumed_samples"])):
         state = ck.read_trainer_state(ck.step_dir(root, step))
         for key in keys:
             del state[key]
