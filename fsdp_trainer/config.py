@@ -298,6 +298,9 @@ def _to_plain(value: Any) -> Any:
 
 def from_dict(raw: dict[str, Any], source: str = "config") -> Config:
     """Build a Config from nested dicts (a parsed TOML file), rejecting unknown keys by name."""
+    if "config" in raw:  # a field for the flag alone: read from a file, it would be ignored, not included
+        raise ConfigError(f"{source}: 'config' is the --config flag, not a key of the file (one file cannot "
+                          "include another); remove it, and give the settings you wanted from that file here")
     return _build(Config, raw, source, prefix="")
 
 
@@ -348,7 +351,7 @@ def _section_type(cls: type, name: str) -> Optional[type]:
 
 
 def load_toml(path: str | Path) -> Config:
-    path = Path(path)
+    path = Path(path).expanduser()  # no shell expands ~ in --config=~/run.toml
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file")
     try:
@@ -359,12 +362,14 @@ def load_toml(path: str | Path) -> Config:
 
 
 def _config_path(argv: Sequence[str]) -> Optional[str]:
+    """The last --config given: argparse, and so tyro, keeps the last value of a repeated flag."""
+    path = None
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+    return path
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, cls: type = Config,

@@ -31,7 +31,7 @@ from fsdp_trainer.checkpoint import (CONFIG, CheckpointError, check_shapes, load
                                      saved_config, saved_tie_embeddings, tensor_shapes, checked)
 from fsdp_trainer.config import Config, to_toml
 from fsdp_trainer.distributed import logger
-from fsdp_trainer.models.llama import ModelArgs, model_args_from_config
+from fsdp_trainer.models.llama import ModelArgs, build, model_args_from_config
 
 
 def _hf_names(n_layers: int) -> dict[str, str]:
@@ -104,9 +104,24 @@ def load_consolidated(path: Path, checksums: bool = True) -> tuple[dict[str, tor
     state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    # config.toml may have been copied in from another run (saved_config asks for that when it is lost): blocks it
+    # does not know would be left out of the Hugging Face export, its untied output projection replaced.
+    args = model_args_from_config(cfg.model)
+    expected = {name: list(t.shape) for name, t in build(args).state_dict().items()}
+    saved = {name: list(t.shape) for name, t in state.items()}
+    problems = [f"{name}: {saved.get(name, 'none')} saved, {expected.get(name, 'none')} in its model"
+                for name in sorted(saved.keys() | expected.keys()) if saved.get(name) != expected.get(name)]
+    not_its_own = f"checkpoint {path}: its {CONFIG} does not describe the model saved there"
+    fix_config = "copy in the config.toml of the run that saved it (from its train.output_dir)"
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"{not_its_own} ({'; '.join(problems[:3])}{more}); {fix_config}")
     with checked(path, None, fix, threads=os.cpu_count() or 1, enabled=checksums):
         load_dcp({"model": state}, path, None, fix)
-    if model_args_from_config(cfg.model).tie_embeddings:
+    if args.tie_embeddings:
+        if not torch.equal(state["output.weight"], state["tok_embeddings.weight"]):
+            raise CheckpointError(f"{not_its_own} (tie_embeddings = true in it, but the output projection saved "
+                                  f"there is not the embedding); {fix_config}")
         state["output.weight"] = state["tok_embeddings.weight"]  # one tensor again, as in the model
     return state, cfg
 
@@ -205,10 +220,15 @@ def _hf_rope(config: dict) -> tuple[float, dict]:
 def _check_hf_config(folder: Path, args: ModelArgs) -> None:
     """A CheckpointError naming the settings of config.json that differ from this model's and a --model flag can set;
     a warning for those that no flag can (RoPE scaling, RMSNorm's eps): refusing them would rule out fine-tuning
-    such a model at all, and the weights still carry over, though the first logits differ from the original's."""
+    such a model at all, and the weights still carry over, though the first logits differ from the original's.
+    Another activation than SwiGLU's silu is refused: no fine-tuning would make those weights the model's."""
     config = _read_hf_json(folder / "config.json")
+    act = config.get("hidden_act", "silu")  # absent keys: transformers' LlamaConfig defaults, as for rope_theta
+    if act != "silu":
+        raise CheckpointError(f"hf:{folder}: config.json's hidden_act is {act!r}, but this model's SwiGLU uses silu, "
+                              "so its weights would compute another function; give a Llama model folder")
     theta, scaling = _hf_rope(config)
-    hf = {**config, "rope_theta": theta}
+    hf = {**config, "rope_theta": theta, "tie_word_embeddings": config.get("tie_word_embeddings", False)}
     fields = {"hidden_size": ("dim", args.dim), "num_hidden_layers": ("n_layers", args.n_layers),
               "num_attention_heads": ("n_heads", args.n_heads),
               "num_key_value_heads": ("n_kv_heads", args.n_kv_heads),
@@ -245,7 +265,11 @@ def _hf_full_tensors(folder: Path, args: ModelArgs,
     files, theirs = _hf_tensor_files(folder), _hf_names(args.n_layers)
     if args.tie_embeddings:  # HF omits lm_head.weight when tied; untied, its absence is an error below
         theirs["output.weight"] = theirs["tok_embeddings.weight"]
-    problems = []
+    # Buffers that older transformers saved (derived from rope_theta), and the output projection that a tied
+    # model's file may hold too (transformers ignores it when tied): every other tensor must have a place here.
+    used = {theirs[name] for name in shapes} | ({"lm_head.weight"} if args.tie_embeddings else set())
+    problems = [f"{name} is there but has no place in this model" for name in sorted(files)
+                if name not in used and not name.endswith("rotary_emb.inv_freq")]
     for name, expected in shapes.items():
         if theirs[name] not in files:
             problems.append(f"{theirs[name]} is missing")
@@ -255,8 +279,9 @@ def _hf_full_tensors(folder: Path, args: ModelArgs,
         if shape != expected:
             problems.append(f"{theirs[name]} has shape {list(shape)} there but our {name} is {list(expected)}")
     if problems:
-        raise CheckpointError(f"hf:{folder} does not fit this model: {'; '.join(problems[:3])}; set the --model.* "
-                              "flags to match its config.json")
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"hf:{folder} does not fit this model: {'; '.join(problems[:3])}{more}; set the "
+                              "--model.* flags to match its config.json")
     for name in shapes:
         with safe_open(str(files[theirs[name]]), "pt") as f:
             tensor = f.get_tensor(theirs[name])

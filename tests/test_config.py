@@ -270,3 +270,26 @@ def test_toml_numbers_are_coerced_where_a_float_is_expected(tmp_path):
     cfg = load_toml(path)
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float) and cfg.optim.betas == (0.9, 1.0)
     assert cfg.memory.limit_gib == 40.0
+
+
+def test_the_last_of_two_config_files_is_the_one_read(tmp_path):
+    """As for every other flag, the last --config wins (a wrapper script's --config, then the user's), and the
+    settings read are those of the file that cfg.config names."""
+    first, last = tmp_path / "first.toml", tmp_path / "last.toml"
+    first.write_text("[train]\nsteps = 7\n")
+    last.write_text("[train]\nsteps = 9\n")
+    for argv in (["--config", str(first), "--config", str(last)], ["--config", str(first), f"--config={last}"]):
+        cfg = parse_args(argv)
+        assert (cfg.config, cfg.train.steps) == (last, 9)
+
+
+def test_config_file_path_expands_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "run.toml").write_text("[train]\nsteps = 7\n")
+    assert parse_args(["--config=~/run.toml"]).train.steps == 7  # no shell expands ~ after =
+
+
+def test_a_config_key_in_a_toml_file_is_refused_not_ignored(tmp_path):
+    (tmp_path / "base.toml").write_text("[train]\nsteps = 7\n")
+    _, message = toml_error(tmp_path, 'config = "base.toml"\n[train]\nseq_len = 64\n')
+    assert "'config' is the --config flag, not a key of the file (one file cannot include another)" in message

@@ -1,0 +1,111 @@
+"""Weights in and out (weights.py): what a Hugging Face folder or a checkpoint's config.toml must agree on before
+any weight is copied. The round trips themselves are in test_checkpoint.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+from fsdp_trainer import distributed, weights
+from fsdp_trainer.checkpoint import CheckpointError
+from fsdp_trainer.config import parse_args
+from fsdp_trainer.models.llama import build, model_args_from_config
+from fsdp_trainer.train import run
+
+from helpers import TINY_FLAGS
+
+TINY = [*TINY_FLAGS, "--data.source", "synthetic"]
+
+
+def tiny_args(*flags: str):
+    return model_args_from_config(parse_args([*TINY, *flags]).model)
+
+
+def hf_folder(folder: Path, args, extra: Optional[dict[str, torch.Tensor]] = None, **config) -> Path:
+    """A Hugging Face Llama folder of a freshly initialized model of `args`, its config.json changed by `config`
+    (None: the key left out) and `extra` tensors added to its file."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+    model = build(args, device="cpu")
+    model.init_weights(0)
+    folder.mkdir()
+    save_file({**weights.to_hf(model.state_dict(), args), **(extra or {})}, str(folder / "model.safetensors"))
+    settings = {**weights.hf_config(args, torch.float32), **config}
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in settings.items() if v is not None}))
+    return folder
+
+
+def load_hf(folder: Path, args):
+    model = build(args, device="cpu")
+    weights.load_weights(model, f"hf:{folder}", args)
+    return model
+
+
+def test_hf_tensors_with_no_place_in_the_model_are_named(tmp_path):
+    """A Llama-like model with attention biases (Qwen2's, or attention_bias = true) loaded without them would be
+    another function; old transformers' RoPE buffers and a tied model's copy of the embedding are not weights."""
+    args = tiny_args()
+    bias = {"model.layers.0.self_attn.q_proj.bias": torch.zeros(64), "model.layers.1.self_attn.k_proj.bias":
+            torch.zeros(32)}
+    with pytest.raises(CheckpointError, match=re.escape("model.layers.0.self_attn.q_proj.bias is there but has no "
+                                                        "place in this model; model.layers.1.self_attn.k_proj.bias")):
+        load_hf(hf_folder(tmp_path / "bias", args, bias, attention_bias=True), args)
+    load_hf(hf_folder(tmp_path / "inv_freq", args, {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}),
+            args)
+    tied = tiny_args("--model.tie_embeddings", "True")
+    load_hf(hf_folder(tmp_path / "tied", tied, {"lm_head.weight": torch.zeros(320, 64)}), tied)
+
+
+def test_hf_config_without_tie_word_embeddings_is_untied_as_in_transformers(tmp_path):
+    """LlamaConfig's default is untied: its lm_head.weight is the output layer, which a tied model would drop."""
+    folder = hf_folder(tmp_path / "hf", tiny_args(), tie_word_embeddings=None)
+    tied = tiny_args("--model.tie_embeddings", "True")
+    with pytest.raises(CheckpointError, match=re.escape("tie_embeddings=True here but False there); set "
+                                                        "--model.tie_embeddings False")):
+        load_hf(folder, tied)
+    load_hf(folder, tiny_args())
+
+
+def test_hf_model_with_another_activation_is_refused(tmp_path):
+    folder = hf_folder(tmp_path / "hf", tiny_args(), hidden_act="gelu_pytorch_tanh")  # Gemma's: the same names
+    with pytest.raises(CheckpointError, match="hidden_act is 'gelu_pytorch_tanh', but this model's SwiGLU uses silu"):
+        load_hf(folder, tiny_args())
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """The step-2 checkpoint of a finished one-rank run of the tiny untied model."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = parse_args([*TINY, "--train.steps", "2", "--checkpoint.async_mode", "none", "--train.output_dir", str(out)])
+    info = distributed.init(60)
+    try:
+        run(cfg, info)
+    finally:
+        distributed.shutdown()
+    return out / "checkpoints" / "step_00000002"
+
+
+@pytest.mark.parametrize("wrong,message", [
+    (("n_layers = 2", "n_layers = 1"), "layers.1.attention.wk.weight: [32, 64] saved, none in its model; "),
+    (("n_layers = 2", "n_layers = 3"), "layers.2.attention.wk.weight: none saved, [32, 64] in its model; "),
+    (("[model]\n", "[model]\ntie_embeddings = true\n"), "tie_embeddings = true in it, but the output projection "
+                                                        "saved there is not the embedding)"),
+])
+def test_export_refuses_a_config_toml_of_another_model(checkpoint, tmp_path, wrong, message):
+    """saved_config asks for the run's config.toml where it is lost: one copied from another run would have blocks
+    left out of the export, or the output projection replaced by the embedding."""
+    step = tmp_path / checkpoint.name
+    shutil.copytree(checkpoint, step)
+    config = step / "config.toml"
+    assert wrong[0] in config.read_text()
+    config.write_text(config.read_text().replace(*wrong, 1))
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {step}: its config.toml does not describe the "
+                                                        f"model saved there ({message}")):
+        weights.export(step, tmp_path / "export", log=lambda line: None)
+    assert not (tmp_path / "export").exists()
