@@ -72,13 +72,15 @@ def measure(args, mode: str, threads: int, checksums: str, out: Path) -> dict:
     saves = [(float(m.group(3)), float(m.group(4) or 0)) for m in BLOCKED.finditer(log)]
     done = [m.groups() for m in COMPLETE.finditer(log)]
     row["saves"] = len(saves)
-    if saves and done:
-        # The first save pays one-time costs (pinned buffers, process groups); a later one may also wait for
-        # its predecessor to finish writing when the interval is shorter than a save. Report each apart.
-        later = saves[1:] or saves
-        row.update(first_blocked_s=saves[0][0], blocked_s=max(b for b, _ in later),
-                   waited_s=max(w for _, w in later), gb=float(done[-1][0]), save_s=float(done[-1][1]),
-                   save_gb_per_s=float(done[-1][2]))
+    if not saves or not done:  # the resume would start fresh: a row of blanks, reported as a result
+        return {**row, "error": f"no save completed in {args.steps} steps (--interval {args.interval}, and a final "
+                                "save unless --checkpoint.no_save_final)"}
+    # The first save pays one-time costs (pinned buffers, process groups); a later one may also wait for
+    # its predecessor to finish writing when the interval is shorter than a save. Report each apart.
+    later = saves[1:] or saves
+    row.update(first_blocked_s=saves[0][0], blocked_s=max(b for b, _ in later),
+               waited_s=max(w for _, w in later), gb=float(done[-1][0]), save_s=float(done[-1][1]),
+               save_gb_per_s=float(done[-1][2]))
     staging = STAGING.search(log)
     if staging:  # async_pinned allocates its host buffers once, after step 1
         row.update(staging_alloc_s=float(staging.group(2)))
@@ -89,12 +91,16 @@ def measure(args, mode: str, threads: int, checksums: str, out: Path) -> dict:
                     "--checkpoint.no_save_final")
     if resumed.returncode:
         return {**row, "error": f"resume: {error_line(resumed)}"}
+    load = LOADED.search(resumed.stderr)
+    if not load:
+        return {**row, "error": "resume: no checkpoint loaded"}
+    row.update(load_s=float(load.group(2)), load_gb_per_s=float(load.group(3)))
     checked = CHECKED.search(resumed.stderr)
     if checked:
         row.update(check_s=float(checked.group(1)))
-    load = LOADED.search(resumed.stderr)
-    if load:
-        row.update(load_s=float(load.group(2)), load_gb_per_s=float(load.group(3)))
+    elif checksums == "on":  # a checkpoint committed without sums: its load time is not one with the check
+        return {**row, "error": "resume: no checksums checked (the save recorded none: --checkpoint.no_checksums "
+                                "among the flags, or a warning in its log)"}
     return row
 
 

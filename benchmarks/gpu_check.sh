@@ -65,6 +65,7 @@ COMPILED_NONE="compiled noAC=--ac.mode none"
 COMPILED_FULL="compiled fullAC=--ac.mode full"
 lever() { echo "${1%%=*} $2=${1#*=} $3"; }  # lever "NAME=FLAGS" "what" "--its.flag value": the variant plus one lever
 env_lever() { echo "${1%%=*} $2=$3 ${1#*=}"; }  # env_lever "NAME=FLAGS" "what" "VAR=value": the same, set in its environment
+ERRORS="Error|error:|out of memory"  # the lines kept from a training run's output besides its results: why it failed
 for PART in "$@"; do
   echo "== $PART"
   case "$PART" in
@@ -132,7 +133,7 @@ for PART in "$@"; do
           --train.output_dir "/tmp/clocks_$ac" --checkpoint.interval 0 --checkpoint.resume none
           --checkpoint.no_save_final --metrics.no_tensorboard)
         echo "\$ ${cmd[*]}" | tee -a "$log"
-        "${cmd[@]}" 2>&1 | grep -E "step (16|24)/" | tee -a "$log"
+        "${cmd[@]}" 2>&1 | grep -E "step (16|24)/|$ERRORS" | tee -a "$log"
         kill "$sampler"
         python3 - "/tmp/clocks_$ac.csv" "$ac" <<'PY' | tee -a "$log"
 import sys
@@ -146,7 +147,8 @@ PY
       runs=${PROFILE_RUNS:-no_compile:op compile:op}
       suffix=${PROFILE_RUNS:+_$(echo "$runs" | tr ' :' '_-')}
       log=$(results_file "profile_llama3_8b$suffix.log")
-      results_header PROFILE_RUNS="$runs" bash benchmarks/gpu_check.sh "$NGPU" profile | tee -a "$log"
+      # A new file, as clocks writes: appended to, a rerun's log would start with the earlier run's header and tables.
+      results_header PROFILE_RUNS="$runs" bash benchmarks/gpu_check.sh "$NGPU" profile | tee "$log"
       traces=()
       for run in $runs; do
         compile=${run%%:*} ac=${run#*:}
@@ -155,7 +157,8 @@ PY
           --profile.steps 12:13 --train.output_dir "/tmp/profile_${compile}_$ac" --checkpoint.interval 0
           --checkpoint.resume none --checkpoint.no_save_final --metrics.no_tensorboard)
         echo "\$ ${cmd[*]}" | tee -a "$log"
-        "${cmd[@]}" 2>&1 | grep -E "profile of steps|step 14/" | tee -a "$log"
+        rm -rf "/tmp/profile_${compile}_$ac"  # a run that fails must leave kernels.py no earlier run's trace
+        "${cmd[@]}" 2>&1 | grep -E "profile of steps|step 14/|$ERRORS" | tee -a "$log"
         traces+=("/tmp/profile_${compile}_$ac/profile/trace_rank0_steps12-13.json")
       done
       python3 benchmarks/kernels.py "${traces[@]}" --steps 2 >> "$log" ;;

@@ -10,7 +10,8 @@ A variant's flags may start with environment assignments (NAME=value), set for t
 allocator settings are levers too.
 
 Each variant is a real `torchrun -m fsdp_trainer.train` run; rates are total tokens / total time over the logging
-windows that start at or after step `--warmup` (compilation and allocator warm-up excluded). Results: a table on
+windows that start at or after step `--warmup` (compilation and allocator warm-up excluded) and hold no profiled step
+(a variant's `--profile.steps`: its per-step breakdown is recorded as `profile_ms`). Results: a table on
 stdout, and JSON (+ PNG when matplotlib is installed) in benchmarks/results/<date>-<gpu>x<count>/, with the torch
 version and exact commands.
 """
@@ -23,6 +24,7 @@ import re
 import shlex
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from results import exit_if_failed, print_table, write_results
 from runs import NO_CHECKPOINTS, command_line, error_line, run, split_environment, train_command
@@ -37,6 +39,8 @@ COLUMNS = [("tokens/s/GPU", "tokens_per_s_per_gpu", "{:,.0f}"), ("TFLOPs/GPU", "
            ("loss", "loss", "{:.3f}")]
 AVERAGED = ("tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "data_ms", "forward_backward_ms", "optimizer_ms")
 VARIANT = ("variant", "variant", "{}")
+# The trainer's line once a --profile.steps trace is written: the steps, then the breakdown per step.
+PROFILED = re.compile(r"profile of steps (\d+)-(\d+) written to .*?(?:; per step: (.*))?$", re.MULTILINE)
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str], list[str]]:
@@ -56,8 +60,11 @@ def run_variant(name: str, env: dict[str, str], overrides: list[str], args, work
         row["error"] = error_line(proc)
         return row
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    profiled = PROFILED.search(proc.stderr)
+    if profiled and profiled[3]:
+        row["profile_ms"] = {key: float(ms) for key, ms in re.findall(r"(\w+) ([\d.]+) ms", profiled[3])}
     try:
-        row.update(steady_state(rows, args.warmup))
+        row.update(steady_state(rows, args.warmup, (int(profiled[1]), int(profiled[2])) if profiled else None))
     except ValueError as err:  # the run logged fewer windows than asked (it stopped early): a failed row, not a crash
         row["error"] = str(err)
     # The others' latest values; the planned-vs-measured peak is logged once, in the first window.
@@ -65,15 +72,18 @@ def run_variant(name: str, env: dict[str, str], overrides: list[str], args, work
     return row
 
 
-def steady_state(rows: list[dict], warmup: int) -> dict:
+def steady_state(rows: list[dict], warmup: int, profiled: Optional[tuple[int, int]] = None) -> dict:
     """The AVERAGED metrics over the logging windows that start at or after step `warmup`, all their steps together:
     rates as total tokens / total time, phases as total time / total steps. A window that starts earlier would
-    count compilation and the allocator's warm-up."""
+    count compilation and the allocator's warm-up; one that holds a step of `profiled` (first, last), the
+    profiler's overhead and the seconds spent writing its trace."""
     starts = [0] + [r["step"] for r in rows[:-1]]
-    steady = [(r["step"] - start, r) for start, r in zip(starts, rows) if start >= warmup]
+    steady = [(r["step"] - start, r) for start, r in zip(starts, rows)
+              if start >= warmup and not (profiled and start < profiled[1] and r["step"] >= profiled[0])]
     if not steady:
-        raise ValueError(f"no logging window starts at or after step {warmup} (--warmup), so no rate excludes "
-                         "warm-up: run more steps, or log more often")
+        raise ValueError(f"no logging window starts at or after step {warmup} (--warmup)"
+                         + (f" and holds none of the profiled steps {profiled[0]}-{profiled[1]}" if profiled else "")
+                         + ", so no rate excludes warm-up: run more steps, or log more often")
     averaged = {}
     for key in AVERAGED:
         windows = [(steps, r[key]) for steps, r in steady if key in r]

@@ -235,6 +235,34 @@ def test_a_run_that_logged_no_window_after_warmup_is_a_failed_row_and_the_sweep_
     assert all(r["error"].startswith("no logging window starts at or after step 2") for r in rows)
 
 
+def test_windows_holding_profiled_steps_are_left_out_and_the_profile_is_recorded(monkeypatch, tmp_path):
+    """--profile.steps in a variant: the window of the profiled steps also holds the profiler's overhead and the
+    seconds of writing its trace (on CPU ranks: 25 tokens/s there against 500-1,000 in the other windows)."""
+    import results
+    import throughput
+
+    def profiled_run(cmd, env):
+        out = Path(cmd[cmd.index("--train.output_dir") + 1])
+        out.mkdir(parents=True)
+        rates = {2: 10.0, 4: 1000.0, 6: 1000.0, 8: 20.0, 10: 1000.0}  # compiling, steady, steady, profiled, steady
+        (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "tokens_per_s_per_gpu": r}) + "\n"
+                                                   for s, r in rates.items()))
+        stderr = ("[rank0] 14:31:16 profile of steps 7-8 written to /tmp/x/profile/trace_rank0_steps7-8.json; per "
+                  "step: matmul 559.0 ms | communication 254.0 ms | exposed_communication 13.6 ms\n")
+        return subprocess.CompletedProcess(cmd, 0, "", stderr)
+
+    monkeypatch.setattr(throughput, "run", profiled_run)
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["throughput.py", "--config", "configs/debug.toml", "--steps", "10",
+                                      "--log-every", "2", "--warmup", "2", "--variant", "a=--profile.steps 7:8"])
+    throughput.main()
+    (row,) = written(tmp_path, "throughput")["rows"]
+    assert row["tokens_per_s_per_gpu"] == pytest.approx(1000.0)
+    assert row["profile_ms"] == {"matmul": 559.0, "communication": 254.0, "exposed_communication": 13.6}
+    with pytest.raises(ValueError, match="holds none of the profiled steps 3-10"):
+        throughput.steady_state([{"step": s, "tokens_per_s_per_gpu": 1.0} for s in (2, 4, 6, 8, 10)], 2, (3, 10))
+
+
 def run_script(script: str, *args: str, results_dir: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     """A benchmark script run as a user runs it, from the repository root, writing its results under results_dir."""
     return subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, text=True, capture_output=True,
@@ -348,6 +376,37 @@ def test_checkpoint_io_loads_from_disk_and_records_a_failed_run(tmp_path):
     assert proc.returncode == 1
     (row,) = written(tmp_path / "bad", "checkpoint_io_debug")["rows"]
     assert row["error"] == "error: train.micro_batch_size=0: must be at least 1" and "saves" not in row
+
+
+SAVED_LOG = ("[rank0] 14:00:00 checkpoint step 3 (none): training blocked 0.20 s\n"
+             "[rank0] 14:00:01 checkpoint /c/step_3 complete: 0.012 GB in 0.20 s (0.06 GB/s; training blocked "
+             "0.20 s)\n")
+LOADED_LOG = "[rank0] 14:00:02 loaded /c/step_3: 0.012 GB in 0.10 s (0.12 GB/s)\n"
+CHECKED_LOG = ("[rank0] 14:00:02 checked /c/step_3: 3 files (0.012 GB) match their checksums (3 checked by this "
+               "process in 0.05 s)\n")
+
+
+@pytest.mark.parametrize("saved,resumed,error", [
+    ("", "[rank0] no complete checkpoint in /c: starting fresh\n", "no save completed in 3 steps"),
+    (SAVED_LOG, "[rank0] no complete checkpoint in /c: starting fresh\n", "resume: no checkpoint loaded"),
+    (SAVED_LOG, LOADED_LOG, "resume: no checksums checked"),  # committed without sums: not a load with the check
+    (SAVED_LOG, CHECKED_LOG + LOADED_LOG, None),
+])
+def test_checkpoint_io_fails_a_row_whose_runs_saved_loaded_or_checked_nothing(saved, resumed, error, monkeypatch,
+                                                                             tmp_path):
+    """Both runs exit 0: with --interval above --steps and no final save, the resume starts fresh, and the row
+    held nothing but its label."""
+    import argparse
+
+    import checkpoint_io
+
+    logs = iter([saved, resumed])
+    monkeypatch.setattr(checkpoint_io, "run", lambda cmd: subprocess.CompletedProcess(cmd, 0, "", next(logs)))
+    args = argparse.Namespace(nproc=1, config="configs/debug.toml", steps=3, interval=5, extra=[])
+    row = checkpoint_io.measure(args, "none", 4, "on", tmp_path)
+    assert row.get("error", "").startswith(error) if error else "error" not in row
+    if not error:
+        assert (row["save_s"], row["load_s"], row["check_s"]) == (0.2, 0.1, 0.05)
 
 
 def test_page_cache_drop_flushes_each_file_before_evicting_it(monkeypatch, tmp_path):
@@ -465,23 +524,28 @@ def test_attention_fails_on_any_error_but_the_known_missing_gqa_kernel(failing, 
                                                                 if failing else [])
 
 
-def gpu_check(tmp_path: Path, *args: str,
-              results_dir: Path | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
+def gpu_check(tmp_path: Path, *args: str, results_dir: Path | None = None,
+              env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
     """gpu_check.sh with stand-ins for nvidia-smi and python3, from an empty folder: python3 logs its arguments and
-    succeeds, except that pytest fails and benchmarks/results.py runs for real. (the run, python3's calls)"""
+    succeeds, except that pytest and the trainer fail (the trainer out of memory), and benchmarks/results.py and
+    kernels.py run for real. (the run, python3's calls)"""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA Test GPU'\n")
     (bin_dir / "python3").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\n'
                                      'case "$*" in *pytest*) exit 1 ;;\n'
-                                     f'  benchmarks/results.py*) cd {ROOT} && exec {sys.executable} "$@" ;; esac\n')
+                                     '  *fsdp_trainer.train*) echo "torch.OutOfMemoryError: CUDA out of memory"; '
+                                     'exit 1 ;;\n'
+                                     '  benchmarks/results.py*|benchmarks/kernels.py*) '
+                                     f'cd {ROOT} && exec {sys.executable} "$@" ;; esac\n')
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("BENCH_RESULTS_DIR", "PYTORCH_CUDA_ALLOC_CONF")}
+    environ = {k: v for k, v in os.environ.items() if k not in ("BENCH_RESULTS_DIR", "PYTORCH_CUDA_ALLOC_CONF")}
     if results_dir:
-        env["BENCH_RESULTS_DIR"] = str(results_dir)
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), *args], cwd=tmp_path,
-                          env={**env, "PATH": f"{bin_dir}:{env['PATH']}"}, text=True, capture_output=True, timeout=60)
+        environ["BENCH_RESULTS_DIR"] = str(results_dir)
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), *args], cwd=tmp_path, text=True,
+                          env={**environ, **(env or {}), "PATH": f"{bin_dir}:{environ['PATH']}"}, capture_output=True,
+                          timeout=60)
     return proc, (tmp_path / "calls").read_text().splitlines()
 
 
@@ -514,3 +578,38 @@ def test_gpu_check_s_own_files_start_with_what_the_json_files_record(tmp_path):
     assert {"NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1",
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"} <= set(command)
     assert command[-5:] == ["PROFILE_RUNS=no_compile:op compile:op", "bash", "benchmarks/gpu_check.sh", "1", "profile"]
+
+
+def test_gpu_check_s_profile_log_holds_this_run_only_and_why_it_failed(tmp_path):
+    """Run twice, each time out of memory: the log starts with the second run's header (it was appended to), holds no
+    kernels of a trace an earlier run left in the run's folder, and says why the run failed (grep kept only the
+    profile's lines)."""
+    import shutil
+
+    runs = f"no_compile:test{os.getpid()}"
+    stale = Path(f"/tmp/profile_no_compile_test{os.getpid()}/profile/trace_rank0_steps12-13.json")
+    try:
+        for _ in range(2):
+            stale.parent.mkdir(parents=True, exist_ok=True)
+            stale.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "nvjet_stale",
+                                                          "ts": 0, "dur": 5}]}))
+            proc, _ = gpu_check(tmp_path, "1", "profile", results_dir=tmp_path / "results",
+                                env={"PROFILE_RUNS": runs})
+            assert proc.returncode == 1
+    finally:
+        shutil.rmtree(stale.parents[1], ignore_errors=True)
+    (log,) = (tmp_path / "results").glob("*x1/profile_llama3_8b_*.log")
+    text = log.read_text()
+    assert [line for line in text.splitlines() if line.startswith("# ")] == [text.splitlines()[0]]
+    assert "nvjet_stale" not in text and "CUDA out of memory" in text
+
+
+def test_gpu_check_s_clocks_log_says_why_a_run_failed(tmp_path):
+    try:
+        proc, _ = gpu_check(tmp_path, "1", "clocks", results_dir=tmp_path / "results")
+    finally:
+        for ac in ("none", "op", "full"):  # the part's samples of nvidia-smi, here its stand-in's
+            Path(f"/tmp/clocks_{ac}.csv").unlink(missing_ok=True)
+    assert proc.returncode == 1
+    (log,) = (tmp_path / "results").glob("*x1/clocks_llama3_8b.txt")
+    assert log.read_text().count("CUDA out of memory") == 3  # no, per-op and full AC
