@@ -26,7 +26,9 @@
 # `bash launch/relay_signals.sh bash launch/multinode.sh ...`: the relay passes the signal to the ranks. Under
 # systemd, also set KillMode=mixed and TimeoutStopSec longer than a save: its default (control-group) sends SIGTERM
 # to every process of the unit at once, torchrun included, and the ranks take the second signal as "exit now".
-# Firewalls: the nodes need the HEAD port and NCCL's own ports (or NCCL_SOCKET_IFNAME on the right interface).
+# Firewalls: the nodes must accept each other's TCP connections on any port, not only HEAD's: torchrun puts the
+# process group's store on a free port of the node that gets rank 0, and NCCL and gloo (the checkpoint's groups)
+# listen on ports of their own. NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME choose the interface they use.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

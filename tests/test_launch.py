@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -222,6 +223,73 @@ def test_k8s_manifest():
         outputs = volumes[mounts[cmd[cmd.index("--train.output_dir") + 1].rsplit("/", 1)[0]]]
         assert outputs["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
     assert "ReadWriteMany" in pvc["spec"]["accessModes"]
+
+
+README = (REPO / "README.md").read_text()
+
+
+def test_readme_flags_and_paths_exist():
+    """Every --section.field flag and `section.field` key the README quotes is a real config field (or the no_ form
+    of a boolean), and every file of this repository it names exists."""
+    import dataclasses
+    from fsdp_trainer.config import Config
+    cfg = Config()
+    quoted = set(re.findall(r"--([a-z_]+)\.(\w+)", README))
+    quoted |= {(s, f) for s, f in re.findall(r"`([a-z_]+)\.(\w+)(?:[ =][^`]*)?`", README)
+               if f not in ("pt", "safetensors", "json", "jsonl", "toml", "sh")}  # file names such as model.pt
+    checked = 0
+    for section, field in sorted(quoted):
+        if not dataclasses.is_dataclass(getattr(cfg, section, None)):
+            continue
+        names = {f.name for f in dataclasses.fields(getattr(cfg, section))}
+        assert field in names or (field.startswith("no_") and field[3:] in names), f"README: {section}.{field}"
+        checked += 1
+    assert checked > 30, quoted
+    paths = set(re.findall(r"(?<![\w/.])((?:configs|launch|benchmarks|tests)/[\w./-]*\w)", README))
+    assert {"launch/slurm.sbatch", "configs/llama3_8b.toml"} <= paths
+    assert [p for p in sorted(paths) if not (REPO / p).exists()] == []
+
+
+def test_readme_config_table_and_data_sources_match_the_configs():
+    """The README's table of configs (parameters, sequence length, compile, AC mode) and the sentence naming the
+    configs on synthetic data say what the TOML files hold; each file loads and validates for 8 GPUs."""
+    from fsdp_trainer.config import load_toml, validate
+    from fsdp_trainer.models.llama import model_args_from_config
+    rows = re.findall(r"^\| `(configs/[\w.]+)` \| ([^|]+?) \| (\d+) \| ([^|]+?) \|$", README, re.M)
+    assert sorted(r[0] for r in rows) == sorted(f"configs/{p.name}" for p in (REPO / "configs").glob("*.toml"))
+    synthetic = set()
+    for path, model, seq, notes in rows:
+        cfg = load_toml(REPO / path)
+        validate(cfg, 8, "cuda")
+        number, unit = re.search(r"([\d.]+)([MB])\)?$", model).groups()
+        digits = len(number.partition(".")[2])
+        params = model_args_from_config(cfg.model).num_params() / (1e6 if unit == "M" else 1e9)
+        assert f"{params:.{digits}f}" == number, (path, model, params)
+        assert int(seq) == cfg.train.seq_len, path
+        assert ("compiled" in notes) == cfg.parallel.compile, path
+        ac = "op" if "per-op AC" in notes else "full" if "full AC" in notes else "none"
+        assert ac == cfg.ac.mode, path
+        if cfg.data.source == "synthetic":
+            synthetic.add(model)
+    names, source = re.search(r"The ([^.`]*?)configs use `data\.source = \"(\w+)\"`", README).groups()
+    assert source == "synthetic"
+    words = re.findall(r"\w+", names)  # "1B, 8B and 70B", or none: every config
+    named = {m for _, m, _, _ in rows if not words or any(re.search(rf"\b{w}\b", m) for w in words)}
+    assert named == synthetic, (names, synthetic)
+
+
+def test_readme_quick_start_logs_the_loss_it_quotes(tmp_path):
+    """The set-up command trains the default config; the first loss it logs is the one the README quotes. The
+    steps up to the README's step are those of the full run (the warmup does not depend on train.steps)."""
+    loss, step = re.search(r"the loss it logs falls from about ([\d.]+) at\s+step (\d+)", README).groups()
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--train.steps", step,
+                             "--train.output_dir", str(out), "--data.cache_dir", str(tmp_path / "cache"),
+                             "--checkpoint.no_save_final", "--metrics.no_tensorboard"],
+                            cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    (row,) = [r for r in rows(out) if r["step"] == int(step)]
+    assert abs(row["loss"] - float(loss)) < 0.5, row
 
 
 # ------------------------------------------------------------------------------------ real multi-process runs
