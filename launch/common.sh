@@ -41,7 +41,9 @@ set_env_defaults() {
 
 # torchrun flags that choose which local ranks reach the console. Rank 0 only by default: eight copies of
 # every line help nobody. The flag exists since torch 2.3. It hides other ranks' tracebacks too, so
-# LOG_DIR=<dir> keeps every rank's stdout/stderr in files (torchrun --log-dir with --tee).
+# LOG_DIR=<dir> keeps every rank's stdout/stderr in files (torchrun --log-dir with --tee). With LOG_RANKS=all and
+# no LOG_DIR there are none: callers expand them as ${logging[@]+"${logging[@]}"}, since bash before 4.4 (CentOS 7)
+# takes an empty array for an unset variable under set -u.
 log_flags() {
     local ranks="${LOG_RANKS:-0}"
     if [[ "$ranks" != "all" ]]; then

@@ -45,6 +45,6 @@ mapfile -t launcher < <(torchrun_words)
 mapfile -t logging < <(log_flags)
 cmd=("${launcher[@]}" "--nnodes=$NNODES" "--nproc-per-node=$ngpu"
      --rdzv-backend=c10d "--rdzv-endpoint=$head" "--rdzv-id=${JOB_ID:-fsdp-trainer}"
-     "--max-restarts=${MAX_RESTARTS:-3}" "${logging[@]}"
+     "--max-restarts=${MAX_RESTARTS:-3}" ${logging[@]+"${logging[@]}"}
      -m fsdp_trainer.train "$@")
 print_and_run "${cmd[@]}"

@@ -29,6 +29,6 @@ mapfile -t launcher < <(torchrun_words)
 mapfile -t logging < <(log_flags)
 # --standalone: a private c10d rendezvous on a free local port, so two jobs on one machine never collide.
 cmd=("${launcher[@]}" --standalone --nnodes=1 "--nproc-per-node=$ngpu" "--max-restarts=${MAX_RESTARTS:-0}"
-     "${logging[@]}"
+     ${logging[@]+"${logging[@]}"}
      -m fsdp_trainer.train "$@")
 print_and_run "${cmd[@]}"

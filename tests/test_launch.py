@@ -190,6 +190,11 @@ def test_slurm_dry_run(tmp_path, with_scontrol):
         assert f"--rdzv-endpoint={want}" in printed_command(result.stdout), (head, result.stdout + result.stderr)
     outside = script("slurm.sbatch", env=launch_env(tmp_path, DRY_RUN="1"))
     assert outside.returncode != 0 and "Slurm" in outside.stderr
+    # Submitted from another folder: sbatch runs a spool copy, so only the submit directory can lead to the code.
+    elsewhere = script("slurm.sbatch", env=launch_env(tmp_path, DRY_RUN="1", **{**SLURM_ENV,
+                                                                                "SLURM_SUBMIT_DIR": str(tmp_path)}))
+    assert elsewhere.returncode == 2 and f"{tmp_path} is not the fsdp_trainer repository" in elsewhere.stderr
+    assert "REPO_DIR=" in elsewhere.stderr
 
 
 def test_k8s_manifest():
