@@ -95,6 +95,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # DCP's CheckpointException derives from BaseException, so `except Exception` would let it through.
 DCP_ERRORS = (Exception, CheckpointException)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# Model settings whose change leaves every tensor's shape as it was (max_seq_len only lengthens the RoPE table).
+_SHAPELESS_SETTINGS = ("n_heads", "n_kv_heads", "rope_theta", "tie_embeddings")
 
 
 class CheckpointError(RuntimeError):
@@ -943,10 +945,7 @@ class Checkpointer:
         fix = ("Resume with the model settings it was saved with, or start a new run with --checkpoint.resume none "
                "and another --checkpoint.dir.")
         check_shapes(path, metadata, tensor_shapes({"model": model_sd, "optim": optim_sd}), "model.", fix)
-        saved_tie, tie = saved_tie_embeddings(path), model_args_from_config(self.cfg.model).tie_embeddings
-        if saved_tie not in (None, tie):
-            raise CheckpointError(f"checkpoint {path} was saved with model.tie_embeddings {saved_tie}, but this run "
-                                  f"has {tie}: set --model.tie_embeddings {saved_tie}. {fix}")
+        self._check_model_settings(path, fix)
         # Checkpoints saved before skipped steps were counted in them have no count: none is the best guess.
         progress = Progress(state["step"], state["consumed_samples"], state["tokens_seen"],
                             state.get("skipped_steps", 0))
@@ -985,6 +984,23 @@ class Checkpointer:
                   "rng": {key: _rng_placeholders(metadata, key, self.info.device)}}
         load_dcp(target, path, self.group, ways_past(path))
         return target["rng"][key]
+
+    def _check_model_settings(self, path: Path, fix: str) -> None:
+        """A CheckpointError if a model setting that no tensor shape shows differs from the saved one (where its
+        config.toml can be read): the same projections cut into other heads, another RoPE base or tied embeddings
+        would load without a word and go on training another function than the one saved."""
+        try:
+            saved = model_args_from_config(saved_config(path).model)
+        except CheckpointError:
+            return
+        here = model_args_from_config(self.cfg.model)
+        changed = [name for name in _SHAPELESS_SETTINGS if getattr(saved, name) != getattr(here, name)]
+        if changed:
+            then = ", ".join(f"model.{name} {getattr(saved, name)}" for name in changed)
+            now = ", ".join(f"model.{name} {getattr(here, name)}" for name in changed)
+            flags = " ".join(f"--model.{name} {getattr(saved, name)}" for name in changed)
+            raise CheckpointError(f"checkpoint {path} was saved with {then}, but this run has {now}: set {flags}. "
+                                  f"{fix}")
 
     def _check_seq_len(self, path: Path, state: dict) -> None:
         """A CheckpointError if train.seq_len changed: sample g is a window of seq_len tokens (data.py), so the
@@ -1163,7 +1179,7 @@ class Checkpointer:
                     raise CheckpointError(f"{path} is a committed checkpoint already; is another run saving into "
                                           f"{self.root}? Move it away, or save to another --checkpoint.dir")
                 logger.info(f"clearing {path} before saving there: it {reason}")
-                shutil.rmtree(path)
+                _remove(path)
             path.mkdir(parents=True)
             # Atomic, and on disk before DCP's shards and so before the marker: a crash never commits a checkpoint
             # with an empty or partial config.toml.
@@ -1236,8 +1252,9 @@ class Checkpointer:
         old = [(path, f"checkpoint.keep={keep}") for _, path in complete[:-keep]]
         for path, _ in old:
             # The marker goes first, at once: resume never picks these again, and a crash while deleting leaves
-            # incomplete folders, never damaged complete ones.
-            (path / MARKER).unlink()
+            # incomplete folders, never damaged complete ones. Not through a link: that marker is another folder's.
+            if not path.is_symlink():
+                (path / MARKER).unlink()
         # What a crash left: a save cut short, or a deletion above. A newer incomplete folder is left to the save of
         # its step, which clears it first.
         old += [(path, "incomplete, older than the newest complete checkpoint") for step, path, incomplete in found
@@ -1254,10 +1271,19 @@ class Checkpointer:
         self._deletions = []
 
 
+def _remove(path: Path) -> None:
+    """Delete a checkpoint folder; of a link to one (a step_* link to another run's checkpoint, say), only the link:
+    what it points to is another folder's, and may be the only copy of another run's checkpoint."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
+
+
 def _delete(paths: list[tuple[Path, str]]) -> None:
     for path, why in paths:
         try:
-            shutil.rmtree(path)
+            _remove(path)
         except OSError as err:  # what is left has no marker: the next retention deletes it as incomplete
             logger.warning(f"could not delete {path} ({why}): {err}")
         else:
@@ -1272,8 +1298,10 @@ def _list(root: str) -> None:
                               "unless checkpoint.dir says otherwise)")
     found = list_checkpoints(Path(root))
     if not found:
-        nested = Path(root) / "checkpoints"
+        nested, parent = Path(root) / "checkpoints", Path(root).resolve().parent
         hint = f"; did you mean its checkpoints folder, {nested}?" if nested.is_dir() else ""
+        if _STEP_DIR.match(Path(root).resolve().name) or (Path(root) / ".metadata").exists():
+            hint = f"; it is a checkpoint itself: list the folder that holds it, {parent}"
         print(f"{root}: no checkpoints (no step_* folders){hint}")
     for step, path in found:
         reason = incomplete_reason(path)

@@ -691,6 +691,9 @@ def test_a_marker_without_the_resume_fields_is_unusable_and_list_says_so(small, 
     ck.main(["list", str(tmp_path)])  # the output folder, not its checkpoints folder
     assert f"{tmp_path}: no checkpoints (no step_* folders); did you mean its checkpoints folder, {root}?" in \
         capsys.readouterr().out
+    ck.main(["list", str(ck.step_dir(root, 2))])  # a checkpoint, not a folder of them
+    assert f"{ck.step_dir(root, 2)}: no checkpoints (no step_* folders); it is a checkpoint itself: list the folder " \
+        f"that holds it, {root.resolve()}" in capsys.readouterr().out
 
     with pytest.raises(SystemExit) as exit_info:
         ck.main(["list", str(tmp_path / "nope")])
@@ -736,6 +739,24 @@ def test_training_never_waits_for_retention_to_finish_deleting(tmp_path, monkeyp
     assert not waited_out, "a commit waited for retention's deletion"
     assert "could not delete" not in capfd.readouterr().err  # nor was a folder being deleted deleted again
     assert [step for step, _ in ck.list_checkpoints(tmp_path / "checkpoints")] == [5]
+
+
+def test_links_to_folders_elsewhere_are_deleted_never_what_they_link_to(small, tmp_path):
+    """A step_* link to another run's checkpoint (to resume from it) and one to an interrupted save elsewhere: the save
+    of step 3 clears its link and writes a folder of its own, retention deletes the link to step 2, and the folders
+    they link to keep every file: their markers and files are the other run's."""
+    other, root = tmp_path / "other", tmp_path / "run" / "checkpoints"
+    shutil.copytree(small / "checkpoints/step_00000002", other / "step_00000002")
+    (other / "step_00000003").mkdir()
+    (other / "step_00000003" / "__0_0.distcp").write_text("half written")
+    before = tree(other)
+    root.mkdir(parents=True)
+    for step in (2, 3):
+        ck.step_dir(root, step).symlink_to(ck.step_dir(other, step))
+    train_in_process("--train.steps", "4", "--checkpoint.interval", "1", "--checkpoint.keep", "1",
+                     "--checkpoint.async_mode", "none", "--train.output_dir", str(tmp_path / "run"))
+    assert tree(other) == before and complete_steps(other) == [2]
+    assert [p.name for p in root.iterdir()] == ["step_00000004"] and complete_steps(root) == [4]
 
 
 def test_resume_refuses_to_mix_runs_in_one_folder(small, capsys):
@@ -1033,7 +1054,8 @@ def test_tied_and_untied_embeddings_never_load_into_each_other_silently(small, t
     with pytest.raises(SystemExit) as exit_info:
         main([*TINY, "--train.output_dir", str(out), "--train.steps", "6", "--model.tie_embeddings", "True"])
     err = capfd.readouterr().err
-    assert exit_info.value.code == 2 and "saved with model.tie_embeddings False, but this run has True" in err, err
+    assert exit_info.value.code == 2 and "saved with model.tie_embeddings False, but this run has " \
+        "model.tie_embeddings True: set --model.tie_embeddings False" in err, err
     assert tree(out / "checkpoints") == before
 
     tied_args = model_args_from_config(parse_args([*TINY, "--model.tie_embeddings", "True"]).model)
@@ -1045,6 +1067,25 @@ def test_tied_and_untied_embeddings_never_load_into_each_other_silently(small, t
     cfg = parse_args([*TINY, "--train.output_dir", str(tmp_path / "untied")])
     assert_init_from_gives(cfg, str(tmp_path / "tied" / "checkpoints"), tied)
     assert torch.equal(tied["output.weight"], tied["tok_embeddings.weight"])
+
+
+def test_resume_with_other_heads_or_rope_theta_of_the_same_shapes_is_refused(small, tmp_path, capfd):
+    """8 heads of 8 and 4 kv heads of 8 hold the tensors of 4 heads of 16 and 2 kv heads of 16, shape for shape, and
+    another rope_theta changes no shape: each would resume without a word and train another function."""
+    out = tmp_path / "run"
+    shutil.copytree(small / "checkpoints", out / "checkpoints")
+    before = tree(out / "checkpoints")
+    heads, theta = ["--model.n_heads", "8", "--model.n_kv_heads", "4"], ["--model.rope_theta", "500000"]
+    for flags, message in (
+            (heads, "was saved with model.n_heads 4, model.n_kv_heads 2, but this run has model.n_heads 8, "
+                    "model.n_kv_heads 4: set --model.n_heads 4 --model.n_kv_heads 2"),
+            (theta, "was saved with model.rope_theta 10000.0, but this run has model.rope_theta 500000.0: set "
+                    "--model.rope_theta 10000.0")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*TINY, "--train.output_dir", str(out), "--train.steps", "6", *flags])
+        err = capfd.readouterr().err
+        assert exit_info.value.code == 2 and f"step_00000004 {message}" in err, err
+    assert tree(out / "checkpoints") == before
 
 
 def test_resume_with_another_seq_len_is_refused(small, tmp_path, capfd):
