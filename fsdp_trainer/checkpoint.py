@@ -95,8 +95,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # DCP's CheckpointException derives from BaseException, so `except Exception` would let it through.
 DCP_ERRORS = (Exception, CheckpointException)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-# Model settings whose change leaves every tensor's shape as it was (max_seq_len only lengthens the RoPE table).
-_SHAPELESS_SETTINGS = ("n_heads", "n_kv_heads", "rope_theta", "tie_embeddings")
 
 
 class CheckpointError(RuntimeError):
@@ -551,13 +549,21 @@ def saved_config(path: Path) -> Config:
     return cfg
 
 
-def saved_tie_embeddings(path: Path) -> Optional[bool]:
-    """Whether the model saved in `path` tied its embeddings (None: its config cannot be read). The shapes cannot
-    tell: a tied model's state holds its one tensor under both names, an untied model's two tensors."""
+def shapeless_changes(path: Path, args, names: Sequence[str] = ("n_heads", "n_kv_heads", "rope_theta",
+                                                                  "tie_embeddings")) -> tuple[str, str, str]:
+    """Of the model settings `names`, those that differ between the model saved in `path` (its config.toml, where it
+    can be read) and `args`, as ("model.x A, ...", "model.x B, ...", "--model.x A ..."): saved, here, and the flags
+    that restore the saved ones; empty strings if none differs. No tensor's shape shows them: the same projections
+    cut into other heads, another RoPE base, or a tied model's one tensor under both names would load without a
+    word. (max_seq_len is no such setting: it only lengthens the RoPE table.)"""
     try:
-        return model_args_from_config(saved_config(path).model).tie_embeddings
+        saved = model_args_from_config(saved_config(path).model)
     except CheckpointError:
-        return None
+        return "", "", ""
+    changed = [name for name in names if getattr(saved, name) != getattr(args, name)]
+    return (", ".join(f"model.{name} {getattr(saved, name)}" for name in changed),
+            ", ".join(f"model.{name} {getattr(args, name)}" for name in changed),
+            " ".join(f"--model.{name} {getattr(saved, name)}" for name in changed))
 
 
 def check_shapes(path: Path, metadata: Metadata, expected: dict[str, tuple[int, ...]], unexpected_prefix: str,
@@ -986,19 +992,10 @@ class Checkpointer:
         return target["rng"][key]
 
     def _check_model_settings(self, path: Path, fix: str) -> None:
-        """A CheckpointError if a model setting that no tensor shape shows differs from the saved one (where its
-        config.toml can be read): the same projections cut into other heads, another RoPE base or tied embeddings
-        would load without a word and go on training another function than the one saved."""
-        try:
-            saved = model_args_from_config(saved_config(path).model)
-        except CheckpointError:
-            return
-        here = model_args_from_config(self.cfg.model)
-        changed = [name for name in _SHAPELESS_SETTINGS if getattr(saved, name) != getattr(here, name)]
-        if changed:
-            then = ", ".join(f"model.{name} {getattr(saved, name)}" for name in changed)
-            now = ", ".join(f"model.{name} {getattr(here, name)}" for name in changed)
-            flags = " ".join(f"--model.{name} {getattr(saved, name)}" for name in changed)
+        """A CheckpointError if a model setting that no tensor shape shows differs from the saved one: the resumed
+        run would go on training another function than the one saved."""
+        then, now, flags = shapeless_changes(path, model_args_from_config(self.cfg.model))
+        if then:
             raise CheckpointError(f"checkpoint {path} was saved with {then}, but this run has {now}: set {flags}. "
                                   f"{fix}")
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_trainer.checkpoint import (CONFIG, CheckpointError, check_shapes, load_dcp, read_metadata, resolve,
-                                     saved_config, saved_tie_embeddings, tensor_shapes, checked)
+                                     saved_config, shapeless_changes, tensor_shapes, checked)
 from fsdp_trainer.config import Config, to_toml
 from fsdp_trainer.distributed import logger
 from fsdp_trainer.models.llama import ModelArgs, build, model_args_from_config
@@ -315,11 +315,15 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
     fix = "give --checkpoint.init_from an earlier complete checkpoint"
     check_shapes(path, read_metadata(path, fix, threads > 0), tensor_shapes({"model": model_sd}), "model.",
                  "Set the --model.* flags it was saved with.")
-    # A tied checkpoint loads into an untied model as two equal tensors (untying it); the other way round, one of
-    # the saved two would overwrite the other in the model's single tensor.
-    if args.tie_embeddings and saved_tie_embeddings(path) is False:
-        raise CheckpointError(f"checkpoint {path} has untied embeddings (an output projection of its own), but this "
-                              "model ties them and could keep only one of the two: set --model.tie_embeddings False")
+    # Heads of the same shapes would cut the saved projections into others. A tied checkpoint loads into an untied
+    # model as two equal tensors (untying it); the other way round, one of the saved two would overwrite the other
+    # in the model's single tensor. Another RoPE base is a new run's choice (a longer context, say).
+    then, now, flags = shapeless_changes(path, args, ("n_heads", "n_kv_heads"))
+    if not then and args.tie_embeddings:
+        then, now, flags = shapeless_changes(path, args, ("tie_embeddings",))
+    if then:
+        raise CheckpointError(f"checkpoint {path} was saved with {then}, but this model has {now}, and its weights "
+                              f"would compute another function: set {flags}")
     with checked(path, group, fix, threads, enabled=threads > 0):
         load_dcp({"model": model_sd}, path, group, fix)
     set_model_state_dict(model, model_sd)

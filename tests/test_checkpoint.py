@@ -1060,7 +1060,8 @@ def test_tied_and_untied_embeddings_never_load_into_each_other_silently(small, t
 
     tied_args = model_args_from_config(parse_args([*TINY, "--model.tie_embeddings", "True"]).model)
     with one_rank():
-        with pytest.raises(ck.CheckpointError, match="untied embeddings.*set --model.tie_embeddings False"):
+        with pytest.raises(ck.CheckpointError, match="saved with model.tie_embeddings False, but this model has "
+                                                     "model.tie_embeddings True.*set --model.tie_embeddings False"):
             weights.load_weights(build(tied_args, device="cpu"), str(small / "checkpoints"), tied_args)
     tied = full_state(train_in_process("--train.steps", "2", "--checkpoint.async_mode", "none", "--train.output_dir",
                                        str(tmp_path / "tied"), "--model.tie_embeddings", "True")["model"])
@@ -1086,6 +1087,17 @@ def test_resume_with_other_heads_or_rope_theta_of_the_same_shapes_is_refused(sma
         err = capfd.readouterr().err
         assert exit_info.value.code == 2 and f"step_00000004 {message}" in err, err
     assert tree(out / "checkpoints") == before
+
+    # A new run from its weights: other heads are refused too; another RoPE base is that run's choice.
+    for flags, refused in ((heads, True), (theta, False)):
+        args = model_args_from_config(parse_args([*TINY, *flags]).model)
+        with one_rank():
+            if refused:
+                with pytest.raises(ck.CheckpointError, match="saved with model.n_heads 4, model.n_kv_heads 2, but "
+                                                             "this model has model.n_heads 8, model.n_kv_heads 4"):
+                    weights.load_weights(build(args, device="cpu"), str(out / "checkpoints"), args)
+            else:
+                weights.load_weights(build(args, device="cpu"), str(out / "checkpoints"), args)
 
 
 def test_resume_with_another_seq_len_is_refused(small, tmp_path, capfd):
