@@ -763,9 +763,9 @@ def _knobs(cfg: Config) -> list[list[dict[str, Any]]]:
         [c for c in _ac_changes(cfg) if c["ac.mode"] != "none"],  # no AC saves no memory
         micro,
         [{"parallel.keep_gathered": 0}] if p.keep_gathered else [],
-        # keep_gathered only adds to the default policy
-        [{"parallel.reshard_after_forward": r, **({"parallel.keep_gathered": 0} if p.keep_gathered else {})}
-         for r in lighter],
+        # keep_gathered only adds to the default policy: a lighter one is valid combined with the knob above only
+        # (validation refuses it alone), and came twice when it also cleared keep_gathered itself
+        [{"parallel.reshard_after_forward": r} for r in lighter],
         [{"parallel.defer_grad_sync": False}] if p.defer_grad_sync else [],
         [{"train.loss_chunk_tokens": LOSS_CHUNK}] if not t.loss_chunk_tokens else [],
         [{"parallel.cpu_offload": True}] if not p.cpu_offload else [],
@@ -978,10 +978,12 @@ def parse_memory(text: str) -> int:
     """'47.4GiB' -> bytes. GiB/MiB are powers of 2, GB/MB powers of 10; a unit is required, since nvidia-smi (MiB)
     and vendor sheets (GB) differ by 7% at this size."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
+    unit = _UNITS.get(match.group(2).lower()) if match else None
+    size = int(float(match.group(1)) * unit) if unit else 0
+    if size < 1:  # under a byte counts as none: 0 would have stood for "not given", and been planned as 80 GiB
         raise ConfigError(f"--gpu-memory {text!r}: expected a positive number with a unit, e.g. 80GiB, 47.4GiB or "
                           "80GB (GiB = 2^30 bytes, GB = 10^9 bytes)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    return size
 
 
 @dataclass

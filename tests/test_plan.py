@@ -139,6 +139,18 @@ def test_keep_gathered_keeps_the_last_blocks_gathered_on_top_of_the_default():
                if s.change.get("parallel.reshard_after_forward") == "always")
 
 
+def test_clearing_keep_gathered_with_a_lighter_reshard_policy_is_offered_once():
+    """Where dropping the kept blocks needs reshard always too, that change came twice (from the keep_gathered knob
+    with the policy knob, and from the policy knob alone), and pushed a sixth suggestion off the list."""
+    flags = ("--ac.mode", "op")
+    default = plan(cfg_for(*flags), 4, BIG).total_bytes
+    always = plan(cfg_for(*flags, "--parallel.reshard_after_forward", "always"), 4, BIG).total_bytes
+    p = plan(cfg_for(*flags, "--parallel.keep_gathered", "32"), 4, int((default + always) / 2 / (1 - OPTION_MARGIN)))
+    changes = [s.change for s in p.suggestions]
+    assert {"parallel.keep_gathered": 0, "parallel.reshard_after_forward": "always"} in changes
+    assert len(changes) == len({json.dumps(c, sort_keys=True) for c in changes}), changes
+
+
 def test_a_run_with_headroom_is_offered_the_most_blocks_kept_gathered_that_still_fit():
     cfg = cfg_for("--ac.mode", "op", "--parallel.compile")
     p = plan(cfg, 4, parse_memory("72GB"))
@@ -534,7 +546,7 @@ def test_parse_memory(text, expected):
     assert parse_memory(text) == expected
 
 
-@pytest.mark.parametrize("text", ["80", "eighty GiB", "80 GX", "0GiB", "-4GiB"])
+@pytest.mark.parametrize("text", ["80", "eighty GiB", "80 GX", "0GiB", "-4GiB", "0.5B"])  # 0.5B: no whole byte
 def test_parse_memory_rejects_with_an_example(text):
     with pytest.raises(ConfigError, match=r"--gpu-memory .*e\.g\. 80GiB"):
         parse_memory(text)
