@@ -29,13 +29,15 @@ The model of memory, per GPU, in the steady state (step 2 on, once AdamW's state
     The fused AdamW step updates in place and stays below "end of backward".
   - Then what the caching allocator reserves beyond that peak (`_reserved`). It lends a stream's freed memory to
     that stream only, and FSDP2 allocates the all-gather outputs on its all-gather stream. Reserved = the compute
-    stream's largest moment plus fragmentation, plus the all-gather stream's buffers. Where FSDP2 also allocates
-    the sharded gradients on its reduce-scatter stream (parallel.grads_in_compute_pool off or not applicable), what
-    zero_grad frees stays reserved for the next gradients, out of the activations' reach: the compute stream's
-    moments then exclude the gradients, and every sharded gradient is added. Below the reserved figure, a capped
-    allocator runs but empties its cache and retries, stalling the GPU, each step (8B, no AC, 4 H200s, gradients
-    apart: 74.1 GiB reserved uncapped; capped at 71 GiB, 45% slower). Last, NCCL/cuBLAS workspaces and the CUDA
-    context, outside the allocator.
+    stream's largest moment plus fragmentation, plus the all-gather stream's buffers (none at dp_shard 1, where
+    FSDP2 casts each group on the compute stream when it is used). Under CPU offload, the reduce-scatter stream
+    keeps the block of the largest group's float32 output, freed there after its copy to the host. Where FSDP2
+    also allocates the sharded gradients on its reduce-scatter stream (parallel.grads_in_compute_pool off or not
+    applicable), what zero_grad frees stays reserved for the next gradients, out of the activations' reach: the
+    compute stream's moments then exclude the gradients, and every sharded gradient is added. Below the reserved
+    figure, a capped allocator runs but empties its cache and retries, stalling the GPU, each step (8B, no AC, 4
+    H200s, gradients apart: 74.1 GiB reserved uncapped; capped at 71 GiB, 45% slower). Last, NCCL/cuBLAS workspaces
+    and the CUDA context, outside the allocator.
     Every constant below is an assumption, stated where it is defined.
 The allocator peak was checked against torch.cuda.max_memory_allocated() on one and two H200s (torch 2.11, cuDNN
 attention, fused RMSNorm) for AC none/op/selective/full, grad accumulation, deferred sync and reshard never, tied and
@@ -50,7 +52,8 @@ compute pool. CPU offload was checked on one H100, eager: the 8B shape cut to 4 
 AC, and the 1B without AC at micro-batch 2, within 0.4% each (the peak is at the loss's backward, where no shard is
 being copied in from the host: FSDP2 copies a parameter's float32 shard to the GPU inside a group's all-gather,
 casts it to param_dtype and frees it before the all-gather output exists, and no moment planned is inside an
-all-gather). Not checked on GPUs: HSDP, float16, and the reduce-scatter output's block that the reduce-scatter
+all-gather); their reserved memory within +2.0%, +0.3% and -4.5%, after memory snapshots showed the two stream
+terms above. Not checked on GPUs: HSDP, float16, and the reduce-scatter output's block that the reduce-scatter
 stream keeps when accumulating with a reduce-scatter per micro-batch (counted from torch's source).
 """
 
@@ -656,9 +659,6 @@ def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], moments: dict[str
     compute = {name: moments[name] - (parts.get("grads", 0) if on_side_stream else 0)
                for name, parts in by_moment.items()}
     compute_moment = max(compute, key=compute.get)
-    # The largest group outside the blocks (Llama: embedding or output projection) and the blocks gathered ahead.
-    all_gather = (max((s.gathered_bytes(g) for g in s.groups if g.role != "block"), default=0)
-                  + s.prefetch * max(s.gathered_bytes(g) for g in s.groups if g.role == "block"))
     rows = []
     if on_side_stream:
         rows.append(Row("grad memory kept by the reduce-scatter stream",
@@ -666,7 +666,15 @@ def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], moments: dict[str
                         + _reduce_output_kept(s, peak_moment),
                         "FSDP2 allocates gradients and reduce-scatter outputs on that stream; what zero_grad frees "
                         "stays there"))
-    rows.append(Row("all-gather stream's buffers", all_gather, "the largest gathered group + the blocks gathered ahead"))
+    elif s.offload:
+        rows.append(Row("reduce-scatter stream's output block", 4 * max(g.shard_numel(s.shard) for g in s.groups),
+                        "each group's output is copied to the host and freed there: the largest group's stays"))
+    if s.shard > 1:  # with no one to gather from, FSDP2 casts each group on the compute stream when it is used
+        # The largest group outside the blocks (Llama: embedding or output projection) and the blocks gathered ahead.
+        all_gather = (max((s.gathered_bytes(g) for g in s.groups if g.role != "block"), default=0)
+                      + s.prefetch * max(s.gathered_bytes(g) for g in s.groups if g.role == "block"))
+        rows.append(Row("all-gather stream's buffers", all_gather,
+                        "the largest gathered group + the blocks gathered ahead"))
     if compute_moment != peak_moment and compute[compute_moment] > compute[peak_moment]:
         rows.append(Row(f"compute stream's peak at {compute_moment}", compute[compute_moment] - compute[peak_moment],
                         "beyond its use at this moment"))

@@ -19,10 +19,36 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kernels import kernel_totals, steps_in  # noqa: E402
+from memory_streams import largest_allocations, reserved_by_stream  # noqa: E402
 from throughput import parse_variant  # noqa: E402
 
 # The debug model cut down so that a run of a few steps on CPU ranks takes seconds.
 SMALL = ["--model.n_layers", "2", "--train.seq_len", "64", "--train.micro_batch_size", "2"]
+
+
+def test_memory_streams_splits_reserved_memory_by_stream_and_names_who_allocated():
+    """A snapshot's segments summed per stream; its largest allocations per stream, each size from one place listed
+    once, named by the FSDP2 and fsdp_trainer frames only."""
+    def frame(path, line, name):
+        return {"filename": path, "line": line, "name": name}
+    reduce = [frame("/x/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 537, "foreach_reduce"),
+              frame("/x/torch/nn/modules/module.py", 1, "_call_impl")]
+    snapshot = {"segments": [{"stream": 0, "total_size": 3 * 2**30}, {"stream": 0, "total_size": 2**30},
+                             {"stream": 7, "total_size": 2**30}],
+                "device_traces": [[
+                    {"action": "alloc", "stream": 7, "size": 2**30, "frames": reduce},
+                    {"action": "free_completed", "stream": 7, "size": 2**30, "frames": reduce},
+                    {"action": "alloc", "stream": 7, "size": 2**30, "frames": reduce},
+                    {"action": "alloc", "stream": 7, "size": 2**29, "frames": reduce},
+                    {"action": "alloc", "stream": 0, "size": 2**31,
+                     "frames": [frame("/r/fsdp_trainer/loss.py", 27, "cross_entropy")]},
+                    {"action": "alloc", "stream": 0, "size": 2**20, "frames": []}]]}
+    assert reserved_by_stream(snapshot) == {0: (4 * 2**30, 2), 7: (2**30, 1)}
+    where = "_fsdp_collectives.py:537:foreach_reduce"
+    assert largest_allocations(snapshot, top=8) == {
+        7: [(2**30, where), (2**29, where)],
+        0: [(2**31, "loss.py:27:cross_entropy"), (2**20, "(no FSDP2 or fsdp_trainer frame)")]}
+    assert largest_allocations(snapshot, top=1)[7] == [(2**30, where)]
 
 
 def test_variant_flags_may_start_with_environment_settings():
