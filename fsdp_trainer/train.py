@@ -10,22 +10,27 @@ Runbook:
         -m fsdp_trainer.train --config configs/llama3_8b.toml
     # any flag overrides the TOML file; --help lists them all:
     python -m fsdp_trainer.train --config configs/llama3_1b.toml --train.steps 50 --ac.mode op
+    # a team's own causal language model: a script that calls fsdp_trainer.train.main(model_fn=...) (see ModelFn),
+    # launched and flagged like the lines above
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import json
 import math
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Callable, NoReturn, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Dataset
 
 from fsdp_trainer import distributed
@@ -44,25 +49,50 @@ from fsdp_trainer.plan import Plan, check_fits
 from fsdp_trainer.profiling import OPTIMIZER_RANGE, StepProfiler
 
 
-def build_model(cfg: Config, mesh, device: torch.device):
-    """Llama on the meta device -> AC -> compile -> FSDP per block -> materialized and initialized."""
-    args = model_args_from_config(cfg.model)
-    model = build(args, device="meta")
-    blocks = (TransformerBlock,)
+# A team's own model: `model_fn(cfg)` returns (model, block classes, groups) as README's "Your own model" describes
+# them, the model built on the meta device (init_weights then fills it, seeded by train.seed) or eagerly, with a
+# vocabulary of cfg.model.vocab_size, which the data is checked against. ac.* and parallel.* apply to it as to Llama.
+ModelFn = Callable[[Config], tuple[nn.Module, Sequence[type], Sequence[Sequence[nn.Module]]]]
+
+
+def build_model(cfg: Config, mesh, device: torch.device, model_fn: Optional[ModelFn] = None):
+    """Llama (or model_fn's model) on the meta device -> AC -> compile -> FSDP per block -> materialized and
+    initialized. Returns the model and its Llama ModelArgs (None for model_fn's)."""
+    if model_fn is None:
+        args = model_args_from_config(cfg.model)
+        model = build(args, device="meta")
+        blocks = (TransformerBlock,)
+        # A tied embedding and output projection share one parameter, so they must live in one FSDP group:
+        # leave all three to the root. Untied, each gets its own all-gather.
+        groups = [] if args.tie_embeddings else [[model.tok_embeddings], [model.norm, model.output]]
+    else:
+        args = None
+        model, blocks, groups = model_fn(cfg)
     apply_ac(model, blocks, cfg.ac.mode, cfg.ac.every)
     if cfg.parallel.compile:
         apply_compile(model, blocks)
-    # A tied embedding and output projection share one parameter, so they must live in one FSDP group:
-    # leave all three to the root. Untied, each gets its own all-gather.
-    groups = [] if args.tie_embeddings else [[model.tok_embeddings], [model.norm, model.output]]
     p = cfg.parallel
     apply_fsdp(model, mesh, block_types=blocks, groups=groups,
                param_dtype=DTYPES[resolve_param_dtype(p.param_dtype, device.type)],
                reduce_dtype=DTYPES[p.reduce_dtype], reshard_after_forward=p.reshard_after_forward,
                keep_gathered=p.keep_gathered, prefetch=p.prefetch, cpu_offload=p.cpu_offload,
                grads_in_compute_pool=grads_in_compute_pool(p, cfg.train.grad_accum_steps))
-    init_weights(model, device, seed=cfg.train.seed, offload=p.cpu_offload)
+    # A model built eagerly holds its weights already (fully_shard moved them to the mesh's device).
+    if any(param.is_meta for param in model.parameters()):
+        init_weights(model, device, seed=cfg.train.seed, offload=p.cpu_offload)
     return model, args
+
+
+def flops_per_token(model: nn.Module, args, seq_len: int, num_params: int) -> int:
+    """Training FLOPs per token for TFLOPs and MFU: Llama's exact count, a model's own flops_per_token(seq_len), or
+    else 6 per parameter (forward and backward of every weight once, attention not counted), said in the log."""
+    if args is not None:
+        return args.flops_per_token(seq_len)
+    if hasattr(model, "flops_per_token"):
+        return model.flops_per_token(seq_len)
+    logger.info(f"{_class_name(model)} has no flops_per_token(seq_len): TFLOPs and MFU assume 6 FLOPs per "
+                "parameter per token, without attention; define it for exact numbers")
+    return 6 * num_params
 
 
 def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device: torch.device, guard=None,
@@ -83,6 +113,10 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
             loss = model(inputs, labels, cfg.train.loss_chunk_tokens) / accum
         else:
             logits = model(inputs)
+            if not isinstance(logits, torch.Tensor) or logits.shape[:-1] != labels.shape:  # shapes only: no sync
+                raise TypeError(f"model(tokens) returned {_shape_of(logits)} for tokens of shape "
+                                f"{tuple(inputs.shape)}: the trainer needs the logits alone, one tensor of shape "
+                                "(batch, seq_len, vocab_size); make forward(tokens) return just them")
             loss = loss_of(logits, labels) / accum
         (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach()
@@ -104,6 +138,15 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
     return loss_sum, grad_norm
 
 
+def _class_name(model: nn.Module) -> str:
+    """The model's own class name, not that of the subclass fully_shard swaps in (FSDPGPT2 for GPT2)."""
+    return next(cls.__name__ for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+
+
+def _shape_of(value) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+
+
 def mean_over_ranks(value: torch.Tensor, world_size: int) -> float:
     """All-reduce and read to the host: a sync point, called on logging steps only."""
     value = value.detach().clone()
@@ -112,7 +155,11 @@ def mean_over_ranks(value: torch.Tensor, world_size: int) -> float:
 
 
 def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = None,
-        signals: Optional[StopSignals] = None, dataset: Optional[Dataset] = None) -> dict:
+        signals: Optional[StopSignals] = None, dataset: Optional[Dataset] = None,
+        model_fn: Optional[ModelFn] = None) -> dict:
+    """Train `cfg`'s Llama, or the causal language model model_fn builds (see ModelFn): forward(tokens) returns
+    logits of shape (batch, seq_len, vocab_size), and with train.loss_chunk_tokens forward(tokens, labels,
+    chunk_tokens) returns the mean loss."""
     device = info.device
     dp_replicate, dp_shard = mesh_shape(cfg.parallel, info.world_size)
     output_dir = Path(cfg.train.output_dir)
@@ -127,7 +174,10 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
         torch.cuda.memory._record_memory_history(max_entries=100_000)
 
     mesh = distributed.build_mesh(device.type, dp_replicate, dp_shard)
-    model, args = build_model(cfg, mesh, device)
+    model, args = build_model(cfg, mesh, device, model_fn)
+    if args is None and cfg.train.loss_chunk_tokens:
+        check_chunked_loss_signature(model)
+    num_params = args.num_params() if args is not None else sum(p.numel() for p in model.parameters())
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     param_dtype = resolve_param_dtype(cfg.parallel.param_dtype, device.type)
@@ -137,7 +187,7 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     t = cfg.train
     global_batch = samples_per_step(t.micro_batch_size, t.grad_accum_steps, info.world_size)
     if dataset is None:  # main() built it before the process group, to fail fast
-        dataset = build_dataset(cfg.data, t.seq_len, args.vocab_size)
+        dataset = build_dataset(cfg.data, t.seq_len, model_args_from_config(cfg.model).vocab_size)
     ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, signals, data=dataset.identity())
     progress = ckpt.restore()
     follow_current_schedule(scheduler, cfg.optim)
@@ -155,11 +205,12 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
 
     if info.is_main:
         write_run_info(output_dir, to_toml(cfg), environment(device, info.world_size, mesh.mesh.shape))
-        logger.info(f"model {cfg.model.name}: {args.num_params() / 1e6:,.1f}M parameters | mesh "
+        name = cfg.model.name if args is not None else _class_name(model)
+        logger.info(f"model {name}: {num_params / 1e6:,.1f}M parameters | mesh "
                     f"{dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))} | {param_dtype} compute | "
                     f"global batch {global_batch} x {t.seq_len} tokens | ac {cfg.ac.mode}")
     metrics = Metrics(device=device, total_steps=t.steps, tokens_per_step=global_batch * t.seq_len,
-                      world_size=info.world_size, flops_per_token=args.flops_per_token(t.seq_len),
+                      world_size=info.world_size, flops_per_token=flops_per_token(model, args, t.seq_len, num_params),
                       output_dir=output_dir, tensorboard=cfg.metrics.tensorboard, is_main=info.is_main)
     profiler = StepProfiler(cfg.profile.steps, cfg.profile.memory_snapshot, output_dir, info.rank, device,
                             history_on=cfg.memory.oom_snapshot and device.type == "cuda")
@@ -206,6 +257,17 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
         metrics.close()
         stop_workers(batches)
     return {"step": progress.step, "history": history, "model": model, "optimizer": optimizer, "scaler": scaler}
+
+
+def check_chunked_loss_signature(model: nn.Module) -> None:
+    """train.loss_chunk_tokens calls model(tokens, labels, chunk_tokens): refuse a forward that cannot take them
+    before any step, naming the fix, instead of a TypeError from inside the first one."""
+    try:
+        inspect.signature(model.forward).bind(None, None, None)
+    except TypeError:
+        raise ValueError(f"train.loss_chunk_tokens needs {_class_name(model)}.forward(tokens, labels, "
+                         "chunk_tokens) returning the mean loss, but its forward takes "
+                         f"{inspect.signature(model.forward)}: set --train.loss_chunk_tokens 0") from None
 
 
 @contextlib.contextmanager
@@ -265,7 +327,8 @@ def append_row(path: Optional[Path], row: dict) -> None:
 
 
 @record  # torchrun's error file, and so its failure summary, gets the failing rank's real traceback
-def main(argv=None) -> None:
+def main(argv=None, model_fn: Optional[ModelFn] = None) -> None:
+    """The trainer's command line; `model_fn` trains a team's own model instead of Llama (see ModelFn, run)."""
     rank, world_size = distributed.launched_rank_and_world_size()
     # First: a preemption's signal during start-up (rendezvous, restore, compilation) must not kill the rank, or
     # torchrun counts a failure and Slurm does not requeue. The Checkpointer acts on it.
@@ -288,7 +351,7 @@ def main(argv=None) -> None:
     if rank == 0:
         print(f"data: {dataset!r}", file=sys.stderr)
     try:
-        memory_plan = fits_or_exit(cfg, world_size, rank)
+        memory_plan = fits_or_exit(cfg, world_size, rank, own_model=model_fn is not None)
     except ConfigError as err:  # each node plans for its own GPUs
         exit_with_error(f"[rank {rank}] {err}", show=first_on_node)
     if cfg.train.deterministic:
@@ -297,7 +360,7 @@ def main(argv=None) -> None:
         enable_flight_recorder(Path(cfg.train.output_dir))
     info = distributed.init(cfg.dist.init_timeout_s, cpu_collectives=cfg.parallel.cpu_offload)
     try:
-        run(cfg, info, memory_plan, signals, dataset)
+        run(cfg, info, memory_plan, signals, dataset, model_fn)
     except BaseException as err:
         distributed.shutdown(abort=not (isinstance(err, SystemExit) and not err.code))  # exit 0: a clean stop
         if isinstance(err, (CheckpointError, NonFiniteError)):  # raised alike on every rank: one message will do
@@ -318,9 +381,14 @@ def exit_with_error(message: str, show: bool) -> NoReturn:
     sys.exit(2)
 
 
-def fits_or_exit(cfg: Config, world_size: int, rank: int) -> Optional[Plan]:
+def fits_or_exit(cfg: Config, world_size: int, rank: int, own_model: bool = False) -> Optional[Plan]:
     """On GPUs: the memory plan's summary, and a stop before anything is allocated if the run cannot fit."""
     if not torch.cuda.is_available():
+        return None
+    if own_model:
+        if rank == 0:
+            print("memory plan: none for your own model; the planner knows only the Llama that --model.* describes",
+                  file=sys.stderr)
         return None
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
     memory_plan = check_fits(cfg, world_size, torch.cuda.get_device_properties(local_rank).total_memory)

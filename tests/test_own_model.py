@@ -1,0 +1,188 @@
+"""A team's own model through the trainer (train.run's model_fn): a GPT-2-style decoder, not our Llama, against
+plain single-process training, across a resume on another world size, and the errors a plausible mistake gives."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from fsdp_trainer import distributed, train
+from fsdp_trainer.data import build_dataloader, build_dataset
+from fsdp_trainer.optim import build_optimizer, build_scheduler, lr_at
+
+from helpers import TINY_FLAGS, run_ranks, tiny_config
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(dim)
+        # No bias on q, k, v: a key bias has a gradient of zero but for rounding, which AdamW would blow up into
+        # updates that differ between any two ways of summing it.
+        self.c_attn = nn.Linear(dim, 3 * dim, bias=False)
+        self.c_proj = nn.Linear(dim, dim)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        qkv = self.c_attn(self.ln_1(x)).split(c, 2)
+        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in qkv)
+        x = x + self.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(nn.Module):
+    """Learned positions, LayerNorm with bias, GELU MLP, a head tied to the embedding, blocks in a ModuleDict of a
+    ModuleList, a parameter outside any block and a buffer."""
+
+    def __init__(self, vocab: int = 320, dim: int = 32, heads: int = 4, layers: int = 2, ctx: int = 32):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(ctx, dim)
+        self.stack = nn.ModuleDict({"h": nn.ModuleList(GPT2Block(dim, heads) for _ in range(layers))})
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+        self.logit_scale = nn.Parameter(torch.ones(1))
+        self.register_buffer("positions", torch.arange(ctx), persistent=False)
+
+    def forward(self, tokens):
+        x = self.wte(tokens) + self.wpe(self.positions[:tokens.shape[1]])
+        for block in self.stack["h"]:
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) * self.logit_scale
+
+
+def gpt2_fn(cfg):
+    """model_fn: built eagerly (the trainer seeded torch's RNG with train.seed); the tied head in the root's unit."""
+    model = GPT2()
+    return model, (GPT2Block,), []
+
+
+def train_gpt2(cfg):
+    """Worker: the trainer on GPT2; rank 0's history and full weights."""
+    info = distributed.init()
+    result = train.run(cfg, info, model_fn=gpt2_fn)
+    state = get_model_state_dict(result["model"], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"history": result["history"], "state": state if info.rank == 0 else None}
+
+
+def reference(cfg, world_size: int, steps: int):
+    """The first `steps` steps in one process, unsharded, each micro-batch the `world_size` ranks' together."""
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    model = GPT2()
+    optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
+    dataset = build_dataset(cfg.data, t.seq_len, 320)
+    batches = iter(build_dataloader(dataset, num_workers=0, micro_batch_size=t.micro_batch_size * world_size,
+                                    grad_accum_steps=t.grad_accum_steps, dp_rank=0, dp_size=1))
+    losses = []
+    for step in range(steps):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(step, cfg.optim, t.steps))
+        total = 0.0
+        for _ in range(t.grad_accum_steps):
+            inputs, labels = next(batches)
+            loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()) / t.grad_accum_steps
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or math.inf)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        losses.append(total)
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("world_size,ac,accum", [(4, "op", 1), (2, "full", 2)])
+def test_a_teams_gpt2_trains_through_the_trainer_like_plain_training(tmp_path, world_size, ac, accum):
+    cfg = tiny_config(ac={"mode": ac}, train={"output_dir": str(tmp_path), "steps": 3, "grad_accum_steps": accum,
+                                              "micro_batch_size": 8 // world_size // accum})
+    [result, *_] = run_ranks(train_gpt2, world_size, cfg)
+    ref_losses, ref_state = reference(cfg, world_size, cfg.train.steps)
+    assert [row["loss"] for row in result["history"]] == pytest.approx(ref_losses, abs=2e-5)
+    assert result["state"].keys() == ref_state.keys()
+    for name, value in ref_state.items():
+        torch.testing.assert_close(result["state"][name], value, atol=2e-5, rtol=0, msg=name)
+    assert result["state"]["lm_head.weight"].equal(result["state"]["wte.weight"])  # still tied
+
+
+def test_a_teams_model_resumes_on_another_world_size(tmp_path):
+    """Saved at step 2 of 4 on 2 ranks, resumed on 1 at the same global batch: the uninterrupted run's losses."""
+    first = tiny_config(train={"output_dir": str(tmp_path / "a"), "steps": 4}, checkpoint={"interval": 2})
+    uninterrupted = run_ranks(train_gpt2, 2, first)[0]["history"]
+    resumed = copy.deepcopy(first)
+    resumed.train.output_dir, resumed.train.micro_batch_size = str(tmp_path / "b"), 8
+    resumed.checkpoint.resume = str(tmp_path / "a" / "checkpoints" / "step_00000002")
+    history = run_ranks(train_gpt2, 1, resumed)[0]["history"]
+    assert [row["step"] for row in history] == [3, 4]
+    assert [row["loss"] for row in history] == pytest.approx([row["loss"] for row in uninterrupted[2:]], abs=2e-5)
+
+
+def one_step(model):
+    """train_step on one process, the model unsharded, on a batch of 2 x 32 tokens."""
+    cfg = tiny_config()
+    optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    tokens = torch.randint(0, 320, (2, 33), generator=torch.Generator().manual_seed(0))
+    batches = iter([(tokens[:, :-1], tokens[:, 1:])])
+    scheduler = build_scheduler(optimizer, cfg.optim, 1)
+    train.train_step(model, optimizer, scheduler, batches, cfg, None, torch.device("cpu"))
+
+
+class ReturnsTuple(GPT2):
+    def forward(self, tokens):
+        return super().forward(tokens), None  # logits and a cache, as some models do
+
+
+class Classifier(GPT2):
+    def forward(self, tokens):
+        return super().forward(tokens)[:, 0]  # one prediction per sequence
+
+
+@pytest.mark.parametrize("model,returned", [(ReturnsTuple, "a tuple"), (Classifier, r"a tensor of shape \(2, 320\)")])
+def test_a_forward_that_does_not_return_logits_is_named(model, returned):
+    with pytest.raises(TypeError, match=rf"model\(tokens\) returned {returned} for tokens of shape \(2, 32\): the "
+                                        r"trainer needs the logits alone, one tensor of shape \(batch, seq_len, "
+                                        r"vocab_size\); make forward\(tokens\) return just them"):
+        one_step(model())
+
+
+def test_the_chunked_loss_refuses_a_forward_that_takes_only_tokens(tmp_path):
+    cfg = tiny_config(train={"output_dir": str(tmp_path), "loss_chunk_tokens": 16})
+    with pytest.raises(AssertionError, match=r"ValueError: train.loss_chunk_tokens needs GPT2.forward\(tokens, "
+                                             r"labels, chunk_tokens\) returning the mean loss, but its forward takes "
+                                             r"\(tokens\): set --train.loss_chunk_tokens 0"):
+        run_ranks(train_gpt2, 1, cfg)
+
+
+def test_the_memory_plan_is_skipped_for_a_teams_model_and_says_so(tmp_path, monkeypatch, capsys):
+    """On a GPU (faked), the Llama of --model.* is not what runs: no plan refuses or passes the run in its name."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: pytest.fail("planned"))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(train.distributed, "init", lambda *a, **k: pytest.fail("group started"))
+    monkeypatch.setattr(train.StopSignals, "install", lambda self: None)  # main() would not restore them here
+    with pytest.raises(pytest.fail.Exception, match="group started"):
+        train.main([*TINY_FLAGS, "--data.source", "synthetic", "--dist.no_flight_recorder",
+                    "--train.output_dir", str(tmp_path)], model_fn=gpt2_fn)
+    assert "memory plan: none for your own model; the planner knows only the Llama that --model.* describes" in \
+        capsys.readouterr().err
+
+
+def test_flops_per_token_of_a_teams_model(caplog):
+    """The model's own count where it has one, else 6 per parameter, said in the log."""
+    model = GPT2()
+    params = sum(p.numel() for p in model.parameters())
+    with caplog.at_level("INFO", logger="fsdp_trainer"):
+        assert train.flops_per_token(model, None, 32, params) == 6 * params
+    assert "GPT2 has no flops_per_token(seq_len): TFLOPs and MFU assume 6 FLOPs per parameter" in caplog.text
+    model.flops_per_token = lambda seq_len: 1000 * seq_len
+    assert train.flops_per_token(model, None, 32, params) == 32000
