@@ -40,6 +40,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def blocks_of(model: nn.Module, block_types: Sequence[type]) -> list[nn.Module]:
+    if isinstance(block_types, type) or not all(isinstance(t, type) for t in block_types):
+        raise TypeError(f"block_types={block_types!r}: expected a tuple of the classes of the model's repeated "
+                        "blocks, e.g. (MyBlock,), not a class alone or a name")
     blocks = [m for m in model.modules() if isinstance(m, tuple(block_types))]
     if not blocks:
         names = ", ".join(t.__name__ for t in block_types)
@@ -178,6 +181,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     position = {id(module): index for index, module in enumerate(model.modules())}
     if any(id(module) not in position for group in groups for module in group):
         raise ValueError("every module in `groups` must be a submodule of the model being sharded")
+    names = {id(module): name for name, module in model.named_modules()}
+    units = [[block] for block in blocks] + groups
+    for i, unit in enumerate(units):  # fully_shard would fail on the second with a bare assertion
+        for module in unit:
+            if any(module is other for later in units[i + 1:] for other in later):
+                raise ValueError(f"{names[id(module)]} is in two FSDP units (a block and a group, or two groups): "
+                                 "list each module in one group at most, and no block in `groups`")
     _check_ties(model, blocks, groups)
     last = max([[blocks[-1]], *groups], key=lambda unit: max(position[id(module)] for module in unit))[0]
 

@@ -112,7 +112,8 @@ def load_consolidated(path: Path, checksums: bool = True) -> tuple[dict[str, tor
     problems = [f"{name}: {saved.get(name, 'none')} saved, {expected.get(name, 'none')} in its model"
                 for name in sorted(saved.keys() | expected.keys()) if saved.get(name) != expected.get(name)]
     not_its_own = f"checkpoint {path}: its {CONFIG} does not describe the model saved there"
-    fix_config = "copy in the config.toml of the run that saved it (from its train.output_dir)"
+    fix_config = ("copy in the config.toml of the run that saved it (from its train.output_dir); a model of your own "
+                  "(train.main's model_fn) is no Llama, which is all export converts")
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise CheckpointError(f"{not_its_own} ({'; '.join(problems[:3])}{more}); {fix_config}")

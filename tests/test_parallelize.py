@@ -52,6 +52,25 @@ def test_blocks_of_names_the_missing_block_type():
         blocks_of(nn.Sequential(nn.ReLU()), (nn.Linear,))
 
 
+@pytest.mark.parametrize("block_types", ["TransformerBlock", TransformerBlock, ("TransformerBlock",)])
+def test_block_types_given_as_a_name_or_a_bare_class_are_refused_naming_the_form(block_types):
+    with pytest.raises(TypeError, match=r"block_types=.*expected a tuple of the classes of the model's repeated "
+                                        r"blocks, e.g. \(MyBlock,\)"):
+        blocks_of(build(ARGS, device="meta"), block_types)
+
+
+def test_a_module_in_two_fsdp_units_is_named_before_sharding(monkeypatch):
+    """fully_shard would fail on the second with a bare assertion."""
+    from fsdp_trainer import parallelize
+
+    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
+    model = build(ARGS, device="meta")
+    for groups, name in (([[model.layers[3], model.output]], "layers.3"), ([[model.output], [model.norm, model.output]],
+                                                                           "output")):
+        with pytest.raises(ValueError, match=f"^{name} is in two FSDP units"):
+            apply_fsdp(model, None, block_types=(TransformerBlock,), groups=groups)
+
+
 # -- a team's own model: not a transformer, no init_param, built eagerly ------------------------------------
 class ResidualMLP(nn.Module):
     def __init__(self, width: int):
