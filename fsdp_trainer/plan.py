@@ -707,7 +707,8 @@ def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:
     return {
         "params": where or f"{s.args.num_params() / 1e9:.2f}B / dp_shard {s.shard}",
         "grads": where or (f"{shards / GiB:.2f} GiB once backward ends; zero_grad frees them each step"
-                           if s.accum == 1 else "kept across micro-batches"),
+                           if s.accum == 1 else "reduced once, after the last micro-batch" if s.defer
+                           else "kept across micro-batches"),
         "optimizer": where or "2 x the parameter shards",
         "kept": f"reshard_after_forward={s.reshard}: " + (", ".join(g.name for g in kept[:3]) or "none")
         + (f" +{len(kept) - 3} more" if len(kept) > 3 else ""),
