@@ -276,6 +276,9 @@ def _hf_full_tensors(folder: Path, args: ModelArgs,
             problems.append(f"{theirs[name]} is missing")
             continue
         with safe_open(str(files[theirs[name]]), "pt") as f:
+            if theirs[name] not in f.keys():  # the index points at a file without it (a download cut short?)
+                problems.append(f"{theirs[name]} is not in {files[theirs[name]].name}, where the index says it is")
+                continue
             shape = tuple(f.get_slice(theirs[name]).get_shape())
         if shape != expected:
             problems.append(f"{theirs[name]} has shape {list(shape)} there but our {name} is {list(expected)}")

@@ -62,6 +62,22 @@ def test_hf_tensors_with_no_place_in_the_model_are_named(tmp_path):
     load_hf(hf_folder(tmp_path / "tied", tied, {"lm_head.weight": torch.zeros(320, 64)}), tied)
 
 
+def test_an_index_pointing_at_a_shard_without_the_tensor_names_both(tmp_path):
+    from safetensors.torch import load_file, save_file
+    args = tiny_args()
+    folder = hf_folder(tmp_path / "hf", args)
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    moved = "model.layers.1.mlp.down_proj.weight"
+    save_file({k: v for k, v in tensors.items() if k != moved}, str(folder / "part-1.safetensors"))
+    save_file({"model.norm.weight": tensors["model.norm.weight"]}, str(folder / "part-2.safetensors"))
+    weight_map = {name: "part-2.safetensors" if name == moved else "part-1.safetensors" for name in tensors}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=re.escape(f"{moved} is not in part-2.safetensors, where the index says "
+                                                        "it is")):
+        load_hf(folder, args)
+
+
 def test_hf_config_without_tie_word_embeddings_is_untied_as_in_transformers(tmp_path):
     """LlamaConfig's default is untied: its lm_head.weight is the output layer, which a tied model would drop."""
     folder = hf_folder(tmp_path / "hf", tiny_args(), tie_word_embeddings=None)
