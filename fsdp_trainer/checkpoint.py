@@ -1021,6 +1021,12 @@ class Checkpointer:
             logger.warning(f"resuming {path} on other data ({changes}): sample {state['consumed_samples']:,} of "
                            "the new data's order comes next")
             return
+        if {key for key in set(saved) | set(here) if saved.get(key) != here.get(key)} == {"order"}:
+            raise CheckpointError(
+                f"checkpoint {path} was saved reading the same data in another sample order ({changes}: another "
+                f"version of fsdp_trainer's shuffle): its {state['consumed_samples']:,} consumed samples are a "
+                "position in that order. Pass --checkpoint.allow_data_change to go on in this order from that "
+                "position (until the epoch ends, some samples may repeat and others be skipped)")
         raise CheckpointError(
             f"checkpoint {path} was saved reading other data ({changes}): its {state['consumed_samples']:,} "
             "consumed samples are a position in that data's sample order. Resume with the data.source, data.path "

@@ -203,12 +203,13 @@ def _numbers_in_order(path: Path) -> tuple:
 
 
 def _is_sidecar(path: Path) -> bool:
-    """Whether a .json file is a shard's sidecar, not some other file kept with the shards (a tokenizer.json)."""
+    """Whether a .json file is a shard's sidecar, with every key one has, not some other file kept with the shards
+    (a tokenizer.json, a corpus's statistics)."""
     try:
         meta = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(meta, dict) and "num_tokens" in meta
+    return isinstance(meta, dict) and {"dtype", "num_tokens", "vocab_size", "tokenizer"} <= meta.keys()
 
 
 def _check_stream(stream: TokenStream, where: str, seq_len: int, vocab_size: int) -> None:

@@ -164,11 +164,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
                          "gradients must be the reduce-scatter's output itself")
     # fully_shard keeps each parameter's dtype for its shard, the optimizer's master weight: from a model built in
     # 16 bits, the weights, AdamW's moments and the float32-reduced gradients would all be silently rounded to it.
-    low = [name for name, param in model.named_parameters() if param.dtype in (torch.bfloat16, torch.float16)]
+    # Frozen parameters have no master weights: a 16-bit frozen base is the model's own choice.
+    low = [name for name, param in model.named_parameters()
+           if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16)]
     if low:
-        raise ValueError(f"apply_fsdp: {', '.join(low[:4])}{' ...' if len(low) > 4 else ''} are not float32, and "
-                         "the sharded parameters are the optimizer's master weights; build the model in float32 "
-                         "(param_dtype is the dtype forward and backward compute in)")
+        raise ValueError(f"apply_fsdp: trainable parameters in 16 bits ({', '.join(low[:4])}"
+                         f"{' ...' if len(low) > 4 else ''}), but the sharded parameters are the optimizer's master "
+                         "weights; build the model in float32 (param_dtype is the dtype forward and backward compute "
+                         "in)")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp, offload_policy=offload)
@@ -181,13 +184,19 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     position = {id(module): index for index, module in enumerate(model.modules())}
     if any(id(module) not in position for group in groups for module in group):
         raise ValueError("every module in `groups` must be a submodule of the model being sharded")
+    if any(module is model for group in groups for module in group):
+        raise ValueError("the model itself cannot be in `groups`: it is the root unit, sharded last with whatever "
+                         "no block or group holds")
+    # Units must not overlap, nor nest (fully_shard would fail with a bare assertion or an invariant error): every
+    # module under a unit's modules, counted once per unit module that holds it.
     names = {id(module): name for name, module in model.named_modules()}
-    units = [[block] for block in blocks] + groups
-    for i, unit in enumerate(units):  # fully_shard would fail on the second with a bare assertion
-        for module in unit:
-            if any(module is other for later in units[i + 1:] for other in later):
-                raise ValueError(f"{names[id(module)]} is in two FSDP units (a block and a group, or two groups): "
-                                 "list each module in one group at most, and no block in `groups`")
+    held: set[int] = set()
+    for module in [*blocks, *(module for group in groups for module in group)]:
+        for sub in module.modules():
+            if id(sub) in held:
+                raise ValueError(f"{names[id(sub)]} is in two FSDP units (listed twice, a block also in a group, or "
+                                 "a group inside or around another unit): give each module to one unit only")
+            held.add(id(sub))
     _check_ties(model, blocks, groups)
     last = max([[blocks[-1]], *groups], key=lambda unit: max(position[id(module)] for module in unit))[0]
 

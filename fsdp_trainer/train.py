@@ -113,10 +113,12 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
             loss = model(inputs, labels, cfg.train.loss_chunk_tokens) / accum
         else:
             logits = model(inputs)
-            if not isinstance(logits, torch.Tensor) or logits.shape[:-1] != labels.shape:  # shapes only: no sync
+            if (not isinstance(logits, torch.Tensor) or logits.shape[:-1] != labels.shape
+                    or logits.shape[-1] < cfg.model.vocab_size):  # shapes only: no sync
                 raise TypeError(f"model(tokens) returned {_shape_of(logits)} for tokens of shape "
                                 f"{tuple(inputs.shape)}: the trainer needs the logits alone, one tensor of shape "
-                                "(batch, seq_len, vocab_size); make forward(tokens) return just them")
+                                f"(batch, seq_len, vocab_size) with vocab_size at least model.vocab_size="
+                                f"{cfg.model.vocab_size}, which the data's ids are checked against")
             loss = loss_of(logits, labels) / accum
         (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach()
@@ -175,8 +177,8 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
 
     mesh = distributed.build_mesh(device.type, dp_replicate, dp_shard)
     model, args = build_model(cfg, mesh, device, model_fn)
-    if args is None and cfg.train.loss_chunk_tokens:
-        check_chunked_loss_signature(model)
+    if args is None:
+        check_own_model(model, cfg)
     num_params = args.num_params() if args is not None else sum(p.numel() for p in model.parameters())
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
@@ -259,9 +261,18 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     return {"step": progress.step, "history": history, "model": model, "optimizer": optimizer, "scaler": scaler}
 
 
-def check_chunked_loss_signature(model: nn.Module) -> None:
-    """train.loss_chunk_tokens calls model(tokens, labels, chunk_tokens): refuse a forward that cannot take them
-    before any step, naming the fix, instead of a TypeError from inside the first one."""
+def check_own_model(model: nn.Module, cfg: Config) -> None:
+    """Before any step, what would otherwise fail inside the first one (on GPUs, as a device-side assert): a token
+    embedding smaller than model.vocab_size, the ids the data are checked against (the largest nn.Embedding is
+    taken for it: a position embedding is smaller); a forward that cannot take train.loss_chunk_tokens' call,
+    model(tokens, labels, chunk_tokens)."""
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    if sizes and max(sizes) < cfg.model.vocab_size:
+        raise ValueError(f"{_class_name(model)}'s largest embedding has {max(sizes)} rows, but the data may hold "
+                         f"ids up to model.vocab_size={cfg.model.vocab_size}: set --model.vocab_size {max(sizes)} "
+                         "(the data are checked against it), or build the model with that vocabulary")
+    if not cfg.train.loss_chunk_tokens:
+        return
     try:
         inspect.signature(model.forward).bind(None, None, None)
     except TypeError:

@@ -225,7 +225,7 @@ def _check_hf_config(folder: Path, args: ModelArgs) -> None:
     Another activation than SwiGLU's silu is refused: no fine-tuning would make those weights the model's."""
     config = _read_hf_json(folder / "config.json")
     act = config.get("hidden_act", "silu")  # absent keys: transformers' LlamaConfig defaults, as for rope_theta
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' two names of one function
         raise CheckpointError(f"hf:{folder}: config.json's hidden_act is {act!r}, but this model's SwiGLU uses silu, "
                               "so its weights would compute another function; give a Llama model folder")
     theta, scaling = _hf_rope(config)

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import types
 import threading
 import warnings
 from contextlib import contextmanager
@@ -834,6 +835,17 @@ def test_resume_refuses_other_data_unless_allowed(small, tmp_path, capfd):
     main([*flags, "--checkpoint.allow_data_change"])
     assert "on other data (seed 0 then, 1 now)" in capfd.readouterr().err
     assert ck.read_trainer_state(ck.step_dir(out / "checkpoints", 6))["data"]["seed"] == 1
+
+
+def test_a_checkpoint_of_the_same_data_in_another_sample_order_names_the_only_way_on(tmp_path):
+    """A checkpoint saved before the data's identity named its order (the shuffle then was another): reusing the
+    data and seed cannot help, only --checkpoint.allow_data_change."""
+    here = {"kind": "token shards", "order": "feistel", "seed": 0, "tokens": 1000, "shards": 2, "shards_digest": "ab"}
+    checkpointer = types.SimpleNamespace(data=here, cfg=parse_args(TINY))
+    saved = {key: value for key, value in here.items() if key != "order"}
+    with pytest.raises(ck.CheckpointError, match=r"the same data in another sample order \(order None then, feistel "
+                                                 r"now: .*Pass --checkpoint.allow_data_change to go on"):
+        ck.Checkpointer._check_data(checkpointer, tmp_path, {"data": saved, "consumed_samples": 8})
 
 
 def test_an_unusable_marker_is_an_error_and_never_deleted(small, tmp_path, capfd):

@@ -148,6 +148,13 @@ def test_reading_holds_no_file_open_per_shard(tmp_path):
     assert windows.tolist() == dataset.stream.read(0, len(windows)).tolist()
 
 
+def test_other_json_files_beside_the_shards_are_left_alone(shards):
+    """Only a .json with every key of a sidecar stands for a shard; a tokenizer or a corpus's statistics do not."""
+    (shards / "tokenizer.json").write_text('{"model": {}}')
+    (shards / "stats.json").write_text('{"num_tokens": 100, "num_documents": 3}')
+    assert len(load_shards(str(shards))) == NUM_SAMPLES * SEQ_LEN + 1
+
+
 def test_shards_are_read_in_the_order_of_the_numbers_in_their_names(tmp_path):
     """prepare pads shard numbers to 5 digits: shard_100000 comes after shard_99999, not before shard_10001."""
     for number, token in ((10001, 1), (99999, 2), (100000, 3), (9, 0)):

@@ -67,10 +67,10 @@ def gpt2_fn(cfg):
     return model, (GPT2Block,), []
 
 
-def train_gpt2(cfg):
+def train_gpt2(cfg, model_fn=gpt2_fn):
     """Worker: the trainer on GPT2; rank 0's history and full weights."""
     info = distributed.init()
-    result = train.run(cfg, info, model_fn=gpt2_fn)
+    result = train.run(cfg, info, model_fn=model_fn)
     state = get_model_state_dict(result["model"], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"history": result["history"], "state": state if info.rank == 0 else None}
 
@@ -147,12 +147,30 @@ class Classifier(GPT2):
         return super().forward(tokens)[:, 0]  # one prediction per sequence
 
 
-@pytest.mark.parametrize("model,returned", [(ReturnsTuple, "a tuple"), (Classifier, r"a tensor of shape \(2, 320\)")])
+class NarrowHead(GPT2):
+    def forward(self, tokens):
+        return super().forward(tokens)[..., :300]  # fewer classes than the data's ids
+
+
+@pytest.mark.parametrize("model,returned", [(ReturnsTuple, "a tuple"), (Classifier, r"a tensor of shape \(2, 320\)"),
+                                            (NarrowHead, r"a tensor of shape \(2, 32, 300\)")])
 def test_a_forward_that_does_not_return_logits_is_named(model, returned):
     with pytest.raises(TypeError, match=rf"model\(tokens\) returned {returned} for tokens of shape \(2, 32\): the "
                                         r"trainer needs the logits alone, one tensor of shape \(batch, seq_len, "
-                                        r"vocab_size\); make forward\(tokens\) return just them"):
+                                        r"vocab_size\) with vocab_size at least model.vocab_size=320"):
         one_step(model())
+
+
+def small_vocab_fn(cfg):
+    return GPT2(vocab=300), (GPT2Block,), []
+
+
+def test_an_embedding_smaller_than_the_data_s_vocabulary_is_named_before_the_first_step(tmp_path):
+    """Ids up to model.vocab_size would index past it: an IndexError in the first step, a device-side assert on GPUs."""
+    cfg = tiny_config(train={"output_dir": str(tmp_path)})
+    with pytest.raises(AssertionError, match=r"ValueError: GPT2's largest embedding has 300 rows, but the data may "
+                                             r"hold ids up to model.vocab_size=320: set --model.vocab_size 300"):
+        run_ranks(train_gpt2, 1, cfg, small_vocab_fn)
 
 
 def test_the_chunked_loss_refuses_a_forward_that_takes_only_tokens(tmp_path):

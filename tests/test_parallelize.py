@@ -66,9 +66,13 @@ def test_a_module_in_two_fsdp_units_is_named_before_sharding(monkeypatch):
     monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
     model = build(ARGS, device="meta")
     for groups, name in (([[model.layers[3], model.output]], "layers.3"), ([[model.output], [model.norm, model.output]],
-                                                                           "output")):
+                                                                           "output"),
+                         ([[model.norm, model.norm]], "norm"), ([[model.layers[0].attention]], "layers.0.attention"),
+                         ([[model.layers]], "layers.0")):
         with pytest.raises(ValueError, match=f"^{name} is in two FSDP units"):
             apply_fsdp(model, None, block_types=(TransformerBlock,), groups=groups)
+    with pytest.raises(ValueError, match="the model itself cannot be in `groups`"):
+        apply_fsdp(model, None, block_types=(TransformerBlock,), groups=[[model]])
 
 
 # -- a team's own model: not a transformer, no init_param, built eagerly ------------------------------------
@@ -530,7 +534,13 @@ def test_apply_fsdp_refuses_a_model_built_in_16_bits_before_sharding(monkeypatch
 
     monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
     model = build(ARGS, device="meta").to(dtype)
-    with pytest.raises(ValueError, match=r"apply_fsdp: tok_embeddings.weight, layers.0.attention_norm.weight, "
-                                         r"layers.0.attention.wq.weight, layers.0.attention.wk.weight ... are not "
-                                         "float32, and the sharded parameters are the optimizer's master weights"):
+    with pytest.raises(ValueError, match=r"apply_fsdp: trainable parameters in 16 bits \(tok_embeddings.weight, "
+                                         r"layers.0.attention_norm.weight, layers.0.attention.wq.weight, "
+                                         r"layers.0.attention.wk.weight ...\), but the sharded parameters are the "
+                                         "optimizer's master weights"):
         apply_fsdp(model, None, block_types=(TransformerBlock,))
+    # A frozen 16-bit base has no master weights: only the trainable parameters must be float32.
+    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: module)
+    model = build(ARGS, device="meta").to(dtype).requires_grad_(False)
+    model.output.float().requires_grad_(True)
+    apply_fsdp(model, None, block_types=(TransformerBlock,))

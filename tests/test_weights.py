@@ -92,6 +92,7 @@ def test_hf_model_with_another_activation_is_refused(tmp_path):
     folder = hf_folder(tmp_path / "hf", tiny_args(), hidden_act="gelu_pytorch_tanh")  # Gemma's: the same names
     with pytest.raises(CheckpointError, match="hidden_act is 'gelu_pytorch_tanh', but this model's SwiGLU uses silu"):
         load_hf(folder, tiny_args())
+    load_hf(hf_folder(tmp_path / "swish", tiny_args(), hidden_act="swish"), tiny_args())  # transformers: silu's alias
 
 
 @pytest.fixture(scope="module")
