@@ -10,8 +10,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import types
 import threading
+import types
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
