@@ -29,6 +29,9 @@
 # Firewalls: the nodes must accept each other's TCP connections on any port, not only HEAD's: torchrun puts the
 # process group's store on a free port of the node that gets rank 0, and NCCL and gloo (the checkpoint's groups)
 # listen on ports of their own. NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME choose the interface they use.
+# That store's address is the fully qualified host name of the node that gets rank 0: where `hostname --fqdn` does
+# not resolve from the other nodes (localhost on some cloud images), give each node its own reachable address,
+# TORCHRUN="torchrun --local-addr=<this node's IP>".
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
