@@ -51,7 +51,8 @@ from fsdp_trainer.profiling import OPTIMIZER_RANGE, StepProfiler
 
 # A team's own model: `model_fn(cfg)` returns (model, block classes, groups) as README's "Your own model" describes
 # them, the model built on the meta device (init_weights then fills it, seeded by train.seed) or eagerly, with a
-# vocabulary of cfg.model.vocab_size, which the data is checked against. ac.* and parallel.* apply to it as to Llama.
+# vocabulary of model.vocab_size (model_args_from_config(cfg.model).vocab_size: the flag, else the preset's), which
+# the data are checked against. ac.* and parallel.* apply to it as to Llama.
 ModelFn = Callable[[Config], tuple[nn.Module, Sequence[type], Sequence[Sequence[nn.Module]]]]
 
 
@@ -102,6 +103,7 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
     lap = phases.lap if phases else lambda phase: None
     accum = cfg.train.grad_accum_steps
     loss_of = compiled_cross_entropy if cfg.parallel.compile else cross_entropy
+    vocab_size = model_args_from_config(cfg.model).vocab_size  # the data's ids are checked against it
     loss_sum = torch.zeros((), device=device)
     for micro in range(accum):
         inputs, labels = (t.to(device, non_blocking=True) for t in next(batches))
@@ -114,11 +116,11 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
         else:
             logits = model(inputs)
             if (not isinstance(logits, torch.Tensor) or logits.shape[:-1] != labels.shape
-                    or logits.shape[-1] < cfg.model.vocab_size):  # shapes only: no sync
+                    or logits.shape[-1] < vocab_size):  # shapes only: no sync
                 raise TypeError(f"model(tokens) returned {_shape_of(logits)} for tokens of shape "
                                 f"{tuple(inputs.shape)}: the trainer needs the logits alone, one tensor of shape "
                                 f"(batch, seq_len, vocab_size) with vocab_size at least model.vocab_size="
-                                f"{cfg.model.vocab_size}, which the data's ids are checked against")
+                                f"{vocab_size}, which the data's ids are checked against")
             loss = loss_of(logits, labels) / accum
         (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach()
@@ -267,9 +269,10 @@ def check_own_model(model: nn.Module, cfg: Config) -> None:
     taken for it: a position embedding is smaller); a forward that cannot take train.loss_chunk_tokens' call,
     model(tokens, labels, chunk_tokens)."""
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    if sizes and max(sizes) < cfg.model.vocab_size:
+    vocab_size = model_args_from_config(cfg.model).vocab_size
+    if sizes and max(sizes) < vocab_size:
         raise ValueError(f"{_class_name(model)}'s largest embedding has {max(sizes)} rows, but the data may hold "
-                         f"ids up to model.vocab_size={cfg.model.vocab_size}: set --model.vocab_size {max(sizes)} "
+                         f"ids up to model.vocab_size={vocab_size}: set --model.vocab_size {max(sizes)} "
                          "(the data are checked against it), or build the model with that vocabulary")
     if not cfg.train.loss_chunk_tokens:
         return

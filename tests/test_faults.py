@@ -281,7 +281,7 @@ def test_an_oom_names_the_part_of_the_step_it_happened_in():
     from fsdp_trainer.faults import NonFiniteGuard, oom_phase
 
     cpu = torch.device("cpu")
-    cfg = parse_args([])
+    cfg = parse_args(["--model.vocab_size", "10"])
     model = torch.nn.Embedding(10, 10)  # logits [batch, seq, 10] of token ids
     optimizer = optim.build_optimizer(model, cfg.optim, cpu)
     scheduler = optim.build_scheduler(optimizer, cfg.optim, 100)
