@@ -652,3 +652,12 @@ def test_activations_planned_match_the_tensors_autograd_saves(model, micro_batch
     predicted = at_loss["blocks"] + at_loss["head"] + 4 * n * args.vocab_size + composite_norms
     assert loss.isfinite()
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+def test_the_gradients_row_says_when_they_are_reduced():
+    """Accumulating, the sharded gradients are kept across micro-batches; with deferred sync they are reduced once."""
+    def note(*flags):
+        return next(r.note for r in plan(cfg_for("--train.grad_accum_steps", "2", *flags), 4, BIG).rows
+                    if r.name.startswith("gradients"))
+    assert note() == "kept across micro-batches"
+    assert note("--parallel.defer_grad_sync") == "reduced once, after the last micro-batch"
