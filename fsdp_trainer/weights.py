@@ -322,9 +322,8 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
     # Heads of the same shapes would cut the saved projections into others. A tied checkpoint loads into an untied
     # model as two equal tensors (untying it); the other way round, one of the saved two would overwrite the other
     # in the model's single tensor. Another RoPE base is a new run's choice (a longer context, say).
-    then, now, flags = shapeless_changes(path, args, ("n_heads", "n_kv_heads"))
-    if not then and args.tie_embeddings:
-        then, now, flags = shapeless_changes(path, args, ("tie_embeddings",))
+    then, now, flags = shapeless_changes(path, args, ("n_heads", "n_kv_heads")
+                                         + (("tie_embeddings",) if args.tie_embeddings else ()))
     if then:
         raise CheckpointError(f"checkpoint {path} was saved with {then}, but this model has {now}, and its weights "
                               f"would compute another function: set {flags}")
