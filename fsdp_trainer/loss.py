@@ -65,6 +65,7 @@ def _loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
             # In float16 the product alone, a sum over the chunk's tokens, can pass 65504 before any loss scale
             # divides it: every later step would overflow alike, the scaler would cut its scale to a stop.
             grad_weight += grad_logits.t().float() @ h.float() if h.dtype == torch.float16 else grad_logits.t() @ h
+        del grad_logits  # before the next chunk's float32 logits exist: one chunk's buffers at a time
     return total
 
 

@@ -7,7 +7,8 @@
 
 Exit status: 0 fits (the output lists faster settings that fit too), 1 does not fit (the output lists changes that
 would), 2 bad arguments. Without --gpus or --gpu-memory the planner uses this machine's GPUs, or assumes 8 x 80 GiB
-(and says so) where it has none.
+(and says so) where it has none. param_dtype 'auto' is resolved as the trainer resolves it on this machine's GPU
+(float16 before Ampere); with --gpu-memory, or no GPU, it is planned as bfloat16, and the plan says so.
 
 From the trainer, before anything is allocated:
 
@@ -315,7 +316,7 @@ def _setup(cfg: Config, gpus: int, gpus_per_node: int) -> _Setup:
     args = model_args_from_config(cfg.model)
     replicate, shard = mesh_shape(cfg.parallel, gpus)
     p = cfg.parallel
-    # 'auto' becomes bfloat16 on the GPU (float16 on pre-Ampere cards: the same 2 bytes).
+    # 'auto' left unresolved is planned as Ampere and newer GPUs run it; the plan notes it (`_estimate`).
     param_dtype = "bfloat16" if p.param_dtype == "auto" else p.param_dtype
     return _Setup(args, fsdp_groups(args), gpus, gpus_per_node, replicate, shard, param_dtype,
                   DTYPE_BYTES[p.reduce_dtype], cfg.train.seq_len, cfg.train.micro_batch_size,
@@ -391,9 +392,15 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
         # param_dtype copy, or that copy (the chunk's logit gradient) beside its product with the chunk's hidden
         # states, a weight-sized param_dtype tensor. The output projection is gathered, kept after forward or not.
         weight_grad_sum = 4 * root_or_output_grads // s.pbytes
-        # float16 keeps that sum in float32 until backward has scaled it, then casts it: both at once there.
-        weight_grad_float32 = weight_grad_sum if s.param_dtype == "float16" else 0
-        chunk_buffers = max((4 + s.pbytes) * chunk * vocab, s.pbytes * chunk * vocab + root_or_output_grads)
+        if s.param_dtype == "float16":
+            # float16 keeps that sum in float32 until backward has scaled it, then casts it: both at once there.
+            # Each chunk's product is float32 too, of float32 copies of its logit gradient and hidden states, since
+            # in float16 it could overflow (`linear_cross_entropy`).
+            weight_grad_float32 = weight_grad_sum
+            chunk_product = 4 * chunk * (vocab + s.args.dim) + weight_grad_sum
+        else:
+            weight_grad_float32, chunk_product = 0, root_or_output_grads
+        chunk_buffers = max((4 + s.pbytes) * chunk * vocab, s.pbytes * chunk * vocab + chunk_product)
         loss_moment = {"chunked loss": {**base, "blocks": block_acts, "head": head + s.pbytes * tokens * s.args.dim,
                                         "logits": hidden_grads + weight_grad_sum + chunk_buffers,
                                         "comm": gathered_unless_kept(first_back)}}
@@ -567,6 +574,8 @@ class Plan:
     """Rough model of one optimizer step, for comparing suggestions; not a benchmark."""
     suggestions: list[Suggestion] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    assumed: str = ""
+    """The GPU count or memory planned for where neither given nor found, in words, with the flags that set them."""
 
     @property
     def fits(self) -> bool:
@@ -594,7 +603,7 @@ class Plan:
         return {**dataclasses.asdict(self), "fits": self.fits, "headroom_bytes": self.headroom_bytes}
 
     def render(self) -> str:
-        lines = [self.setup, f"per GPU, at the peak ({self.peak_moment}):"]
+        lines = [self.setup, *([self.assumed] if self.assumed else []), f"per GPU, at the peak ({self.peak_moment}):"]
         lines += [f"  {row.name:<46}{row.bytes / GiB:>8.2f} GiB  {row.note}".rstrip() for row in self.rows]
         lines.append(f"  {'total':<46}{self.total_bytes / GiB:>8.2f} GiB  of {self.capacity_bytes / GiB:.2f} GiB "
                      f"({self.capacity_source})")
@@ -647,6 +656,9 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
     notes = (["torch.compile: blocks keep only what their backward reads (no SiLU output without AC, no w2 "
               "output with per-op AC); the compiled loss makes no float32 copy of the logits"]
              if cfg.parallel.compile else [])
+    if cfg.parallel.param_dtype == "auto":
+        notes.append("param_dtype 'auto' planned as bfloat16, as Ampere and newer GPUs run it; older ones run float16 "
+                     "with loss scaling: plan that with --parallel.param_dtype float16")
     return Plan(setup, s.args.num_params(), gpus, gpus_per_node, s.replicate, s.shard, capacity, capacity_source,
                 rows + cached + outside, peak_moment, moments, allocated, reserved,
                 reserved + sum(r.bytes for r in outside),
@@ -744,10 +756,16 @@ def plan(cfg: Config, gpus: int, gpu_memory_bytes: int, gpus_per_node: Optional[
 
 def check_fits(cfg: Config, world_size: int, gpu_memory_bytes: int) -> Plan:
     """The plan for the job being started: `plan` with the node size torchrun reports (LOCAL_WORLD_SIZE), and
-    param_dtype 'auto' resolved for this node's GPUs (float16 before Ampere)."""
+    param_dtype 'auto' resolved for this node's GPUs."""
+    return plan(_for_this_gpu(cfg), world_size, gpu_memory_bytes,
+                int(os.environ.get("LOCAL_WORLD_SIZE", GPUS_PER_NODE)))
+
+
+def _for_this_gpu(cfg: Config) -> Config:
+    """cfg with param_dtype 'auto' resolved as the trainer resolves it on this machine's GPU (float16 before
+    Ampere)."""
     dtype = resolve_param_dtype(cfg.parallel.param_dtype, "cuda")
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, param_dtype=dtype))
-    return plan(cfg, world_size, gpu_memory_bytes, int(os.environ.get("LOCAL_WORLD_SIZE", GPUS_PER_NODE)))
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, param_dtype=dtype))
 
 
 # -- what to change --------------------------------------------------------------------------------------------------
@@ -1002,38 +1020,49 @@ class PlanArgs(Config):
     gpus: Optional[int] = None
     """GPUs the run will use (None: this machine's GPUs, or 8 where it has none)."""
     gpu_memory: Optional[str] = None
-    """Memory of one GPU with a unit, e.g. 80GiB, 47.4GiB, 80GB (None: this machine's GPU, or 80GiB)."""
+    """Memory of one GPU with a unit, e.g. 80GiB, 47.4GiB, 80GB (None: this machine's GPU, or 80GiB). Given, the
+    plan is for another GPU than this machine's: param_dtype 'auto' is planned as bfloat16."""
     json: bool = False
     """Print the plan as JSON instead of a table."""
 
 
-def _hardware(args: PlanArgs) -> tuple[int, int, list[str]]:
-    """GPU count and memory: the flags, else this machine's GPUs, else 8 x 80 GiB with a note saying so."""
+def _hardware(args: PlanArgs) -> tuple[int, int, bool, dict[str, str]]:
+    """GPU count and memory: the flags, else this machine's GPUs, else DEFAULT_GPUS x DEFAULT_GPU_MEMORY. Then
+    whether the plan is for this machine's GPU (its memory, whatever the count), and what was assumed, in words, by
+    the flag that would set it."""
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus}: must be at least 1")
     memory = parse_memory(args.gpu_memory) if args.gpu_memory is not None else None
     if torch.cuda.is_available():
         gpus = args.gpus or torch.cuda.device_count()
-        return gpus, memory or torch.cuda.get_device_properties(0).total_memory, []
-    notes = []
-    if args.gpus is None:
-        notes.append(f"no GPU on this machine: planned for {DEFAULT_GPUS} GPUs (set --gpus)")
-    if memory is None:
-        notes.append(f"no GPU on this machine: planned for {DEFAULT_GPU_MEMORY / GiB:.0f} GiB per GPU "
-                     "(set --gpu-memory)")
-    return args.gpus or DEFAULT_GPUS, memory or DEFAULT_GPU_MEMORY, notes
+        return gpus, memory or torch.cuda.get_device_properties(0).total_memory, memory is None, {}
+    assumed = {flag: value for flag, value, given in
+               (("--gpus", f"{DEFAULT_GPUS} GPUs", args.gpus),
+                ("--gpu-memory", f"{DEFAULT_GPU_MEMORY / GiB:.0f} GiB per GPU", memory)) if given is None}
+    return args.gpus or DEFAULT_GPUS, memory or DEFAULT_GPU_MEMORY, False, assumed
+
+
+def _in_words(assumed: dict[str, str]) -> str:
+    """What `_hardware` assumed, and the flags to set instead ('' where nothing was)."""
+    if not assumed:
+        return ""
+    return f"assumed {', '.join(assumed.values())}, as this machine has no GPU: set {' and '.join(assumed)} for yours"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    assumed: dict[str, str] = {}
     try:  # a bad flag or config file exits 2, apart from a plan that does not fit (1)
         args = parse_args(argv, cls=PlanArgs, description=__doc__.split("\n\n")[0],
                           prog="python -m fsdp_trainer.plan")
-        gpus, memory, notes = _hardware(args)
-        result = plan(args, gpus, memory)
+        gpus, memory, this_gpu, assumed = _hardware(args)
+        result = plan(_for_this_gpu(args) if this_gpu else args, gpus, memory)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        # Validation reads the GPU count, not the memory: it may refuse a count the user never set (the ranks a
+        # mesh does not divide).
+        count = _in_words({flag: text for flag, text in assumed.items() if flag == "--gpus"})
+        print(f"error: {err}" + (f" ({count})" if count else ""), file=sys.stderr)
         sys.exit(2)
-    result.notes = notes + result.notes
+    result.assumed = _in_words(assumed)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
     sys.exit(0 if result.fits else 1)
 

@@ -6,13 +6,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from fsdp_trainer.config import Config, ConfigError, parse_args, validate
+from fsdp_trainer.loss import linear_cross_entropy
 from fsdp_trainer.metrics import GiB
 from fsdp_trainer.models.llama import build, model_args_from_config
 from fsdp_trainer.plan import OPTION_MARGIN, _moments, _note, _setup, check_fits, parse_memory, plan
@@ -85,16 +90,59 @@ def test_chunked_loss_holds_one_chunk_and_the_loss_gradients_instead_of_the_logi
     assert full.predicted_peak_bytes - chunked.predicted_peak_bytes > 9 * GiB  # the peak moves to another moment
 
 
-def test_float16_chunked_loss_counts_its_float32_weight_gradient_at_backward():
+def test_float16_chunked_loss_counts_its_float32_weight_gradients():
     def chunked(dtype):
         return plan(cfg_for("--ac.mode", "full", "--train.loss_chunk_tokens", "2048", "--parallel.param_dtype",
                             dtype), 8, BIG)
 
     bf16, fp16 = chunked("bfloat16"), chunked("float16")
-    output = 128256 * 4096 + 4096  # output projection + final norm, gathered
+    chunk, vocab, dim = 2048, 128256, 4096
+    output = vocab * dim + dim  # output projection + final norm, gathered
     # float16 holds the weight's gradient summed in float32 until backward scales it and casts it to float16.
     assert fp16.moments["output backward"] - bf16.moments["output backward"] == 4 * output
-    assert fp16.moments["chunked loss"] == bf16.moments["chunked loss"]
+    # Each chunk's share of that sum is a float32 product of float32 copies of the chunk's logit gradient and hidden
+    # states, where bfloat16 multiplies in bfloat16; both beside the chunk's 16-bit logit gradient.
+    assert (fp16.moments["chunked loss"] - bf16.moments["chunked loss"]
+            == 4 * chunk * (vocab + dim) + 4 * output - 2 * output)
+
+
+class PeakBytes(TorchDispatchMode):
+    """The most bytes of storage the ops run under it create and hold alive at once; storages that exist before
+    (`exclude`, by data pointer) are not counted."""
+
+    def __init__(self, exclude: set[int]):
+        super().__init__()
+        self.exclude, self.live, self.peak = exclude, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            storage = tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else None
+            if storage is not None and storage.data_ptr() not in self.exclude | self.live.keys():
+                self.live[storage.data_ptr()] = storage.nbytes()
+                weakref.finalize(storage, self.live.pop, storage.data_ptr())
+        self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_chunked_loss_planned_matches_the_tensors_its_forward_holds(dtype):
+    """The plan's loss buffers at the chunked loss against the most bytes `linear_cross_entropy`'s forward holds at
+    once, as it computes the gradients it keeps for backward (four chunks: one chunk's buffers at a time; the plan's
+    output group also has the final norm). bfloat16 peaks at a chunk's float32 logits, float16 at its float32 weight
+    gradient."""
+    tokens, chunk = 1024, 256
+    cfg = parse_args(["--model.name", "debug", "--train.micro_batch_size", "1", "--train.seq_len", str(tokens),
+                      "--train.loss_chunk_tokens", str(chunk), "--parallel.param_dtype", dtype])
+    args = model_args_from_config(cfg.model)
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, args.dim, dtype=getattr(torch, dtype), requires_grad=True)
+    weight = torch.randn(args.vocab_size, args.dim, dtype=getattr(torch, dtype), requires_grad=True)
+    labels = torch.randint(0, args.vocab_size, (tokens,))
+    with PeakBytes({t.untyped_storage().data_ptr() for t in (hidden, weight, labels)}) as held:
+        linear_cross_entropy(hidden, weight, labels, chunk)
+    planned = _moments(_setup(cfg, 1, 1))["chunked loss"]["logits"]
+    assert abs(planned - held.peak) <= 0.01 * held.peak, (planned, held.peak)
 
 
 def test_the_job_s_plan_resolves_auto_param_dtype_for_its_gpus(monkeypatch):
@@ -607,6 +655,54 @@ def test_cli_bad_config_file_exits_2_not_does_not_fit(tmp_path, capsys):
             plan_main(["--config", str(config), "--gpus", "8", "--gpu-memory", "80GiB"])
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and err.startswith("error: ") and named in err, err
+
+
+def _plan_cli(capsys, *flags: str) -> tuple[int, str, str]:
+    """The planner's command line in this process, on cfg_for's run: exit status, stdout, stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        plan_main(["--model.name", "8b", "--train.seq_len", "8192", "--train.micro_batch_size", "1", *flags])
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_cli_plans_param_dtype_auto_as_this_machine_s_gpu_runs_it(monkeypatch, capsys):
+    """On this machine's GPUs, 'auto' is what the trainer runs there: float16 on a V100, whose chunked loss holds
+    float32 weight gradients. Planned for another GPU (--gpu-memory), it is bfloat16, and the plan says so and how
+    to plan float16."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=32 * GiB))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    chunked = ("--train.loss_chunk_tokens", "2048")
+
+    def moments(*dtype: str) -> dict[str, int]:
+        return plan(cfg_for(*chunked, *dtype), 8, 32 * GiB).moments
+
+    here = json.loads(_plan_cli(capsys, *chunked, "--json")[1])
+    assert here["moments"] == moments("--parallel.param_dtype", "float16") != moments()
+    assert not any("'auto'" in note for note in here["notes"])
+    elsewhere = json.loads(_plan_cli(capsys, *chunked, "--gpu-memory", "32GiB", "--json")[1])
+    assert elsewhere["moments"] == moments("--parallel.param_dtype", "bfloat16")
+    assert any("'auto' planned as bfloat16" in note and "--parallel.param_dtype float16" in note
+               for note in elsewhere["notes"])
+
+
+def test_cli_without_gpus_says_once_what_it_assumed(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, _ = _plan_cli(capsys)
+    assert code == 0 and out.splitlines()[1] == ("assumed 8 GPUs, 80 GiB per GPU, as this machine has no GPU: set "
+                                                 "--gpus and --gpu-memory for yours")
+    assert out.count("assumed") == out.count("--gpu-memory") == 1
+    assert _plan_cli(capsys, "--gpus", "8")[1].splitlines()[1] == ("assumed 80 GiB per GPU, as this machine has no "
+                                                                 "GPU: set --gpu-memory for yours")
+    assert "assumed" not in _plan_cli(capsys, "--gpus", "8", "--gpu-memory", "80GiB")[1]
+    assert json.loads(_plan_cli(capsys, "--gpu-memory", "80GiB", "--json")[1])["assumed"] == (
+        "assumed 8 GPUs, as this machine has no GPU: set --gpus for yours")
+    # A refusal of the GPU count names the assumption; one of a count the user gave, or of the memory, does not.
+    code, _, err = _plan_cli(capsys, "--parallel.dp_replicate", "3")
+    assert code == 2 and "8 ranks" in err and err.endswith(
+        " (assumed 8 GPUs, as this machine has no GPU: set --gpus for yours)\n")
+    assert "assumed" not in _plan_cli(capsys, "--gpus", "3", "--parallel.dp_replicate", "2")[2]
 
 
 def test_text_table_names_every_part():
