@@ -15,6 +15,7 @@
 # The trainer treats a second stop signal as "exit now", so each signal is relayed once and never
 # re-sent; a SIGTERM after a SIGUSR1 (Slurm's final kill at the time limit) is a deliberate second signal.
 #
+# RELAY_PID_DIR (set by slurm.sbatch): once the traps are set, write this script's pid to $RELAY_PID_DIR/<host name>.
 # Exit status: torchrun's.
 set -euo pipefail
 
@@ -69,7 +70,7 @@ deliver() {
     done
     pending=()
 }
-# shellcheck disable=SC2317
+# shellcheck disable=SC2317,SC2329  # run by the traps below
 receive() {
     pending+=("$1")
     deliver
@@ -80,6 +81,10 @@ receive() {
 # Set before torchrun starts: a signal in between would otherwise kill this script and orphan torchrun.
 trap 'receive USR1' USR1
 trap 'receive TERM' TERM
+# Only now may it be signalled: slurm.sbatch waits for the file of its own node before it sends SIGUSR1 here.
+if [[ -n "${RELAY_PID_DIR:-}" ]]; then
+    { echo "$$" > "$RELAY_PID_DIR/$HOSTNAME"; } 2>/dev/null || true
+fi
 
 # torchrun and its ranks start with SIGUSR1 ignored (a disposition that exec and fork keep): the trainer installs
 # its handler early, but an early SIGUSR1 (one sent to the whole job, say) would otherwise kill torchrun, or a

