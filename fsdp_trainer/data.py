@@ -532,7 +532,7 @@ def _hf_encoder(path: str) -> _Encoder:
         raise ValueError(f"--tokenizer {path}: has none of the end-of-document tokens {', '.join(_EOS_NAMES)}")
 
     def encode(doc: bytes) -> np.ndarray:
-        ids = tokenizer.encode(doc.decode("utf-8", errors="replace"), add_special_tokens=False).ids
+        ids = tokenizer.encode(doc.decode("utf-8"), add_special_tokens=False).ids
         return np.array(ids, dtype=np.uint32)
 
     return _Encoder(str(Path(path).resolve()), tokenizer.get_vocab_size(with_added_tokens=True), eos, encode)
@@ -629,7 +629,10 @@ def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = N
     writer = _ShardWriter(out, encoder.vocab_size, encoder.name, encoder.eos, shard_tokens, log)
     for path in files:
         for doc in _documents(path):
-            tokens = encoder.encode(doc)
+            try:
+                tokens = encoder.encode(doc)
+            except UnicodeDecodeError as err:  # a tokenizer's text must be UTF-8: Latin-1 would train on U+FFFD
+                raise ValueError(f"{path}: not UTF-8 text ({err}); re-encode it as UTF-8 (iconv -t UTF-8)") from None
             if len(tokens):  # an empty document would only add a second end-of-document token
                 writer.add(tokens)
     written = writer.close()

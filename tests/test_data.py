@@ -554,3 +554,9 @@ def test_prepare_with_a_hugging_face_tokenizer(tmp_path):
             tokenizer=str(tmp_path / "tokenizer.json"), log=lambda *a: None)
     stream = load_shards(str(tmp_path / "quoted"), "test")
     assert stream.read(0, len(stream)).tolist().count(eos) == 1
+
+    # A .txt file is bytes: with a tokenizer it must decode as UTF-8, never into replacement characters.
+    (tmp_path / "latin1.txt").write_bytes("the caf\u00e9 dog".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.txt: not UTF-8 text .*byte 0xe9.*re-encode it as UTF-8"):
+        prepare([str(tmp_path / "latin1.txt")], str(tmp_path / "latin1"), tokenizer=str(tmp_path / "tokenizer.json"),
+                log=lambda *a: None)
