@@ -31,8 +31,9 @@ then reads the keys and names the suspects: ranks that never arrived (with the l
 that arrived but never entered the collective the others wait in (stuck in their own work: their GPU or host,
 before a step's first collective or between two), and ranks that left the step with an error (out of memory, say),
 for which the others are still waiting inside the collective. Where every rank is stuck inside the send/recv
-ring, each rank's completed receives name the links that never delivered, within a host or between hosts. Rank 0
-prints the report and leaves with os._exit(1), because a rank blocked in a collective cannot shut down cleanly.
+ring, each rank's completed receives name the links that never delivered, within a host or between hosts (a link
+that one of its ends never took up, waiting on its other link, is said to be untried, not named). Rank 0 prints
+the report and leaves with os._exit(1), because a rank blocked in a collective cannot shut down cleanly.
 The other ranks wait for that report before they exit, since torchrun kills every rank as soon as one fails.
 
 --try-fixes (single node only; run it as a plain process, it starts the groups itself): runs the doctor in a
@@ -46,13 +47,14 @@ collective check; wrong:rank=1 makes rank 1 add 1 to everything it contributes; 
 where it would contribute to its first check (as out of memory would), leaving the others inside the collective;
 stall:rank=1 makes rank 1 block there instead, after it arrived and before the collective (as on a GPU that
 wedged mid-run); stall_between:rank=1 makes rank 1 block after its first check's first size, before the second
-size's collective (as in host work between two collectives); drop:rank=1 makes rank 1's ring sends never leave, as
-over a dead link; drop_remote:rank=1 only those to another node, as over a dead network card; wedge:rank=1 makes
+size's collective (as in host work between two collectives); drop:rank=1 makes rank 1's ring sends never complete,
+as over a dead link; drop_remote:rank=1 only those to another node, as over a dead network card; wedge:rank=1 makes
 rank 1's queries of its own GPU never return, as in a wedged driver.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
@@ -299,6 +301,16 @@ def _hints(report: dict) -> list[str]:
     return [h for h in hints if h.split(":")[0] not in already]  # no advice to set what is set already
 
 
+def _receives_first(rank: int, stride: int) -> bool:
+    """Whether `rank` receives before it sends in the ring of `stride` (see Doctor._ring)."""
+    return (rank // stride) % 2 == 1
+
+
+def _ring_key(what: str, count: int, stride: int, rank: int) -> str:
+    """The store key that says `rank`'s send or receive ("sent", "received") of `count` in that ring is done."""
+    return f"doctor/ring/{stride}/{count}/{what}/{rank}"
+
+
 def _link_verdict(links: list[list[int]], facts: dict[int, dict], nccl: bool) -> str:
     """Which transport the links that never delivered use. NCCL moves data within a host by GPU peer-to-peer or
     shared memory and between hosts over the network, so the kind of link that hangs tells which one is broken."""
@@ -468,12 +480,15 @@ class Doctor:
                                         "its error first (out of memory at the largest bandwidth sizes: pass a "
                                         "smaller --sizes, e.g. --sizes 256M)")
         stride = self.ring_strides.get(name)
-        links = self._undelivered(stuck, stride) if stride and stuck and not suspects else []
+        links, untried = self._undelivered(stuck, stride) if stride and stuck and not suspects else ([], [])
         if stuck and suspects:
             parts.append(f"rank(s) {_ranks(stuck)} are waiting inside it for rank(s) {_ranks(suspects)}")
         elif links:
             parts.append(f"rank(s) {_ranks(stuck)} are stuck inside it; "
                          + _link_verdict(links, facts, self.info.backend == "nccl"))
+            if untried:
+                parts.append(f"{', '.join(f'{p} -> {r}' for p, r in untried)} untried: a rank takes its second "
+                             "link of the ring only once its first is through")
         elif stuck:
             parts.append(f"rank(s) {_ranks(stuck)} arrived but are stuck inside it: the transport itself hangs "
                          "(see the settings below)")
@@ -485,14 +500,26 @@ class Doctor:
         self._finish()
         _exit(1)
 
-    def _undelivered(self, stuck: list[int], stride: int) -> list[list[int]]:
-        """The ring's links [prev, rank] that never delivered: the stuck ranks without a receive at the first size
-        where any is missing. A rank that got past that size and waits at the next one waits for a laggard."""
+    def _undelivered(self, stuck: list[int], stride: int) -> tuple[list[list[int]], list[list[int]]]:
+        """The ring's links [prev, rank] that never delivered, and those never tried: the stuck ranks without a
+        receive at the first size where any is missing (a rank that got past that size and waits at the next one
+        waits for a laggard). A rank starts its second half of the ring only once its first is done (_ring), so a
+        link was tried only where its sender, if it receives first, got its receive, and its receiver, if it sends
+        first, got its send through. Were those named too, one dead link between two ranks (or two nodes) would be
+        named in both directions, and one out of a rank that sends first along with the two links beside it."""
+
+        def done(what: str, rank: int, count: int) -> bool:
+            return self.store.check([_ring_key(what, count, stride, rank)])
+
         for count in self.check_counts:
-            late = [r for r in stuck if not self.store.check([f"doctor/ring/{stride}/{count}/recv/{r}"])]
+            late = [r for r in stuck if not done("received", r, count)]
             if late:
-                return [[(r - stride) % self.n, r] for r in late]
-        return []
+                links = [[(r - stride) % self.n, r] for r in late]
+                tried = [[p, r] for p, r in links
+                         if (not _receives_first(p, stride) or done("received", p, count))
+                         and (_receives_first(r, stride) or done("sent", r, count))]
+                return tried, [link for link in links if link not in tried]
+        return [], []
 
     def _init_failed(self, what: str) -> None:
         """No group, so no store: each rank reports for itself, and rank 0 writes the report."""
@@ -532,7 +559,9 @@ class Doctor:
                    python=platform.python_version(), backend=self.info.backend, world_size=self.n,
                    ranks=facts, topology=topology)
         env["warnings"] = _environment_warnings(facts)
-        render_environment(env, self.out)
+        text = io.StringIO()
+        render_environment(env, text)
+        _write_whole(self.out, text.getvalue())
 
     # -- checks --------------------------------------------------------------------------------------------------
 
@@ -608,29 +637,36 @@ class Doctor:
         send, recv = self._contribution(count), torch.full((count,), -1.0, device=self.device)
         remote = after // self.local != self.rank // self.local
         dropped = self.fault == ("drop", self.rank) or (remote and self.fault == ("drop_remote", self.rank))
-
-        def post_send():  # an injected dead link never delivers
-            return None if dropped else dist.isend(send, after)
-
         self._entering()
         # Single sends and receives, not one batch: NCCL completes a batch as one piece of work, and a hang report
-        # needs to know which receive never completed. Ranks of even (rank // stride) send first, the others
-        # receive first, so where a send and a receive share one NCCL stream (two ranks, or two nodes in the
-        # second ring) each send meets a posted receive.
-        if (self.rank // stride) % 2:
-            receiving = dist.irecv(recv, prev)
-            sending = post_send()
+        # needs to know which receive never completed. Ranks of even (rank // stride) send first, the others receive
+        # first, so that each send meets a posted receive, and each rank starts its second only once its first is
+        # done. NCCL runs them so anyway (a group bound to its GPU runs a rank's sends and receives on one stream, in
+        # order); holding to it on every backend lets the report tell a link that never delivered from one that was
+        # never tried (_undelivered).
+        if _receives_first(self.rank, stride):
+            self._receive(recv, prev, count, stride)
+            self._send(send, after, dropped, count, stride)
         else:
-            sending = post_send()
-            receiving = dist.irecv(recv, prev)
-        receiving.wait()
-        if self.device.type == "cuda":  # NCCL's wait() only orders the stream; the host must see the data arrive
-            torch.cuda.current_stream().synchronize()
-        self.store.set(f"doctor/ring/{stride}/{count}/recv/{self.rank}", "")  # prev -> rank delivered: for the report
-        if sending:
-            sending.wait()
-        wrong = _mismatch(recv, _pattern(prev, count, self.device))  # its host sync waits for the send as well
+            self._send(send, after, dropped, count, stride)
+            self._receive(recv, prev, count, stride)
+        wrong = _mismatch(recv, _pattern(prev, count, self.device))
         return (f"from rank {prev}: {wrong}", [prev]) if wrong else (None, [])
+
+    def _send(self, tensor: torch.Tensor, after: int, dropped: bool, count: int, stride: int) -> None:
+        if dropped:
+            threading.Event().wait()  # the injected dead link: the send never completes
+        self._ring_done(dist.isend(tensor, after), "sent", count, stride)
+
+    def _receive(self, tensor: torch.Tensor, prev: int, count: int, stride: int) -> None:
+        self._ring_done(dist.irecv(tensor, prev), "received", count, stride)
+
+    def _ring_done(self, work: dist.Work, what: str, count: int, stride: int) -> None:
+        """Wait for a send or receive of the ring, then say in the store that it is done, for the report."""
+        work.wait()
+        if self.device.type == "cuda":  # NCCL's wait() only orders the stream; the host must see it done
+            torch.cuda.current_stream().synchronize()
+        self.store.set(_ring_key(what, count, stride, self.rank), "")
 
     # -- bandwidth -----------------------------------------------------------------------------------------------
 
@@ -699,11 +735,12 @@ class Doctor:
         self.report["ok"] = code == 0
         if code:
             self.report["hints"] += _hints(self.report)
-        render_checks(self.report, self.out)
-        render_bandwidth(self.report, self.out)
-        render_verdict(self.report, self.out)
+        text = io.StringIO()
+        for render in (render_checks, render_bandwidth, render_verdict):
+            render(self.report, text)
+        _write_whole(self.out, text.getvalue())
         if self.args.json:
-            print(json.dumps(self.report), flush=True)
+            _write_whole(sys.stdout, json.dumps(self.report) + "\n")
 
 
 @contextmanager
@@ -716,6 +753,17 @@ def _watchdog(seconds: float, on_timeout: Callable[[], None]):
         yield
     finally:
         timer.cancel()
+
+
+def _write_whole(out, text: str) -> None:
+    """`text` in one write() to `out`'s file: NCCL_DEBUG writes to the same stream from threads of its own (and other
+    ranks may share it), and Python's stream would cut a report into a write per line (per 8 KiB piped), between which
+    their lines land, or split the JSON from its newline. A file or terminal takes one write() whole; a full pipe may
+    still let another writer in within one over PIPE_BUF (4 KiB), and a signal may cut one short, hence the loop."""
+    out.flush()  # what was printed before comes first
+    data = text.encode()
+    while data:
+        data = data[os.write(out.fileno(), data):]
 
 
 def _exit(code: int) -> None:

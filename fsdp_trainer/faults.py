@@ -50,27 +50,36 @@ CHECKPOINTING, WRITING_PROFILE = "checkpointing", "writing a profile"
 _WAITS = (".item()", ".tolist()", "synchronize(", ".wait()")
 
 
+# Where NCCL writes its flight-recorder dumps, <prefix><rank>: torch reads the prefix from the first of these set.
+DUMP_PREFIX_VARIABLES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+# The watchdog's own dump goes beside NCCL's as watchdog_rank<r>. Not at NCCL's <prefix><rank>: NCCL writes there on
+# its own timeout, or on another rank's, and one dump would overwrite the other. Nor may the name hold NCCL's file
+# prefix (the trainer's rank_): torch's analyser, `torchfrtrace DIR --prefix P`, reads every file whose name holds P.
+WATCHDOG_DUMP = "watchdog_rank"
+
+
 def enable_flight_recorder(output_dir: Path) -> None:
     """Ask NCCL's process groups (created after this call) to record their last collectives and dump them
-    to <output_dir>/flight_recorder/rank_<r> on a timeout. Settings already in the environment win."""
+    to <output_dir>/flight_recorder/rank_<r> on a timeout; the watchdog's own dump goes beside them (WATCHDOG_DUMP).
+    Settings already in the environment win."""
     folder = output_dir.resolve() / "flight_recorder"
     folder.mkdir(parents=True, exist_ok=True)
     if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:  # the deprecated name, if a user set it, wins too
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / "rank_"))
+    if not any(name in os.environ for name in DUMP_PREFIX_VARIABLES):  # a user's, under either name, wins
+        os.environ["TORCH_FR_DUMP_TEMP_FILE"] = str(folder / "rank_")
 
 
-def _dump_flight_recorder(rank: int) -> Optional[str]:
-    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+def _dump_flight_recorder(rank: int) -> Optional[Path]:
+    prefix = next((os.environ[name] for name in DUMP_PREFIX_VARIABLES if name in os.environ), None)
     dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None) or \
         getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
     if not prefix or dump is None or not torch.cuda.is_available():
         return None
     try:
-        path = f"{prefix}{rank}"
-        with open(path, "wb") as f:
-            f.write(dump())
+        path = Path(os.path.dirname(prefix), f"{WATCHDOG_DUMP}{rank}")
+        path.write_bytes(dump())
         return path
     except Exception:  # noqa: BLE001 - the report below matters more than the dump
         return None
@@ -152,7 +161,9 @@ class Watchdog:
             finally:
                 dumped = _dump_flight_recorder(self.rank)
                 if dumped:
-                    logger.error(f"rank {self.rank}: flight recorder trace written to {dumped}")
+                    logger.error(f"rank {self.rank}: flight recorder trace written to {dumped}; the watchdog names its "
+                                 f"dumps {WATCHDOG_DUMP}<rank>, apart from those NCCL writes on its own timeout "
+                                 f"(`torchfrtrace {dumped.parent} --prefix {WATCHDOG_DUMP}` reads the watchdog's)")
                 for handler in logger.handlers:
                     handler.flush()
                 os._exit(EXIT_HANG)

@@ -9,8 +9,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from fsdp_trainer import doctor
 from fsdp_trainer.doctor import FAULT_VAR, DoctorArgs, bus_factor, parse_sizes
@@ -64,6 +67,76 @@ def test_the_report_is_found_among_other_output():
                         "node1:13:13 [1] NCCL INFO comm 0x1 rank 1 nRanks 2 - Destroy COMPLETE", "{not json"])
     assert doctor.last_report(stdout) == report
     assert doctor.last_report("Traceback (most recent call last):") is None
+
+
+def test_the_report_leaves_in_one_write_for_other_threads_output_not_to_land_inside(tmp_path, monkeypatch):
+    """NCCL_DEBUG writes to the same streams from threads of its own: the text report and the JSON, each well over
+    PIPE_BUF (4 KiB), each reach their file in one write() (Python's streams would write line by line, or per 8 KiB)."""
+    stdout, stderr = open(tmp_path / "stdout", "w"), open(tmp_path / "stderr", "w", buffering=1)  # as Python's own
+    monkeypatch.setattr(sys, "stdout", stdout)
+    monkeypatch.setattr(sys, "stderr", stderr)
+    writes, real_write = [], os.write
+
+    def write(fd, data):
+        writes.append((fd, bytes(data)))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    run = doctor.Doctor(DoctorArgs(json=True), [], None)
+    error = "rank 1 raised OutOfMemoryError: " + "CUDA out of memory. " * 5
+    run.report["checks"] = [{"name": f"bandwidth all_reduce {i} MiB", "ok": False, "ranks": [1], "error": error}
+                            for i in range(64)]
+    run._emit(1)
+    for stream in (stdout, stderr):
+        fd = stream.fileno()
+        stream.close()
+        whole = Path(stream.name).read_bytes()
+        assert len(whole) > 4096 and [data for to, data in writes if to == fd] == [whole], stream.name
+
+
+def test_the_doctor_waits_for_its_gpu_before_it_reports_a_collective_or_a_time(monkeypatch):
+    """GPU work is queued, not done, when the host goes on. The entry key waits for this rank's own queued work (a
+    wedged GPU must read as never having entered the collective, not as a transport that hangs), a ring receive's key
+    for the data (NCCL's wait() only orders the stream; a ring send's alike), and a bandwidth time for its end
+    event."""
+    events = []
+
+    class Stream:
+        def synchronize(self):
+            events.append("GPU sync")
+
+    class Store:
+        def set(self, key, value):
+            events.append(f"set {key}")
+
+    class Event:  # as CUDA's: no time until the end event is done
+        def __init__(self, enable_timing):
+            self.done = False
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            self.done = True
+
+        def elapsed_time(self, end):
+            if not end.done:
+                raise RuntimeError("Both events must be completed before calculating elapsed time.")
+            return 4.0
+
+    real_ones = torch.ones
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch, "ones", lambda size, device: real_ones(size))  # no GPU here
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor: None)
+    monkeypatch.setattr(dist, "irecv", lambda tensor, src: SimpleNamespace(wait=lambda: events.append(f"from {src}")))
+    run = doctor.Doctor(DoctorArgs(iters=2), [], None)
+    run.device, run.rank, run.n, run.step, run.store = torch.device("cuda"), 1, 2, "all_reduce", Store()
+    run._entering()
+    run._receive(torch.zeros(1), 0, 8, 1)
+    assert events == ["GPU sync", "set doctor/all_reduce/entered/1", "from 0", "GPU sync",
+                      "set doctor/ring/1/8/received/1"]
+    assert run._time("all_reduce", 8) == {"seconds": 4.0 / 1e3 / 2}
 
 
 def test_try_fixes_offers_no_loopback_or_bridge(monkeypatch):
@@ -269,6 +342,20 @@ def test_ring_hang_names_the_link_that_never_delivered():
     assert failed["links"] == [[1, 2]], failed["error"]
     assert "no data arrived over 1 -> 2 (within " in failed["error"] and "GLOO_SOCKET_IFNAME" in failed["error"]
     assert any(hint.startswith("GLOO_SOCKET_IFNAME") for hint in json.loads(proc.stdout)["hints"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,rank,untried", [(2, 0, "1 -> 0"), (2, 1, ""), (3, 0, "2 -> 0, 1 -> 2")])
+def test_a_dead_link_is_named_alone_not_with_the_links_that_wait_on_it(nproc, rank, untried):
+    """Each rank takes its second link of the ring only once its first is through, as under NCCL. A dead 0 -> 1 leaves
+    rank 1 without its receive, so it never sends, and rank 0 without its send, so it never receives: 0 -> 1 is named,
+    and the links left untried (between two ranks, 1 -> 0) are not. A dead 1 -> 0 leaves rank 0 alone waiting."""
+    _, failed = timed_out_check(f"drop:rank={rank}", nproc=nproc)
+    after = (rank + 1) % nproc
+    assert failed["name"] == "send_recv_ring" and failed["links"] == [[rank, after]], failed["error"]
+    assert f"no data arrived over {rank} -> {after} (within " in failed["error"]
+    said = f"; {untried} untried: a rank takes its second link of the ring only once its first is through"
+    assert (said in failed["error"]) if untried else ("untried" not in failed["error"]), failed["error"]
 
 
 def two_node_doctor(fault: str = "") -> dict:

@@ -136,6 +136,31 @@ def test_a_rank_that_answers_the_alarm_busy_is_a_suspect_unless_another_is_behin
     assert suspects + "." in watchdog.report()
 
 
+@pytest.mark.parametrize("variable", [None, "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"],
+                         ids=["trainer's", "user's", "user's_deprecated"])
+def test_the_watchdog_s_flight_recorder_dump_does_not_overwrite_nccl_s(tmp_path, monkeypatch, variable):
+    """NCCL writes its own dump to <prefix><rank> on its timeout, the prefix from the trainer or the user (under either
+    name). The watchdog's dump goes beside it, under a name torchfrtrace's --prefix (a substring) tells apart."""
+    from fsdp_trainer.faults import DUMP_PREFIX_VARIABLES, _dump_flight_recorder, enable_flight_recorder
+
+    environ = {k: v for k, v in os.environ.items() if k not in DUMP_PREFIX_VARIABLES}
+    if variable:
+        environ[variable] = str(tmp_path / "mine" / "trace_")
+    monkeypatch.setattr(os, "environ", environ)  # a copy, so that nothing set here outlives the test
+    enable_flight_recorder(tmp_path / "run")
+    # As torch reads it: where both are set, the newer name wins.
+    nccl_s = Path((environ.get("TORCH_FR_DUMP_TEMP_FILE") or environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]) + "1")
+    assert nccl_s.parent == (tmp_path / "mine" if variable else tmp_path.resolve() / "run" / "flight_recorder")
+    nccl_s.parent.mkdir(exist_ok=True)
+    nccl_s.write_bytes(b"NCCL's")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch._C._distributed_c10d, "_dump_nccl_trace", lambda: b"the watchdog's", raising=False)
+    ours = _dump_flight_recorder(1)
+    assert nccl_s.read_bytes() == b"NCCL's" and ours.read_bytes() == b"the watchdog's"
+    assert ours.parent == nccl_s.parent and ours.name == "watchdog_rank1"
+    assert nccl_s.name.removesuffix("1") not in ours.name
+
+
 def test_a_watchdog_that_cannot_reach_the_store_says_so(tmp_path):
     script = """if True:
         import time

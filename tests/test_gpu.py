@@ -264,6 +264,6 @@ def test_a_hung_rank_under_nccl_is_the_only_suspect(tmp_path):
     assert all(v.startswith("1 (") and "; 0 (" not in v for v in verdicts), verdicts
     # Rank 0's flight recorder, dumped by its watchdog, holds the collectives it last ran (its buffer is on).
     import pickle
-    dump = tmp_path.resolve() / "flight_recorder" / "rank_0"
+    dump = tmp_path.resolve() / "flight_recorder" / "watchdog_rank0"
     assert f"flight recorder trace written to {dump}" in proc.stderr
     assert pickle.loads(dump.read_bytes())["entries"], "an empty flight recorder"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
 
@@ -86,3 +87,27 @@ def test_a_window_cut_short_is_stopped_and_one_before_the_run_is_named(tmp_path,
     with caplog.at_level("WARNING", logger="fsdp_trainer"):
         StepProfiler("2:5", False, tmp_path, 0, torch.device("cpu")).start(7)
     assert "profile.steps=2:5 starts before this run's first step, 7: nothing is profiled" in caplog.text
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_the_sync_after_the_window_waits_outside_the_watchdog_pause(tmp_path, monkeypatch):
+    """Under NCCL the sync after the window's last step waits for that step's collectives: inside Watchdog.paused, a
+    peer hung in them would go uncaught by this rank's watchdog, and this rank would be named as still writing."""
+    import torch
+
+    from fsdp_trainer.profiling import StepProfiler
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("GPU sync"))
+
+    @contextmanager
+    def paused(activity: str):
+        events.append(f"paused: {activity}")
+        yield
+        events.append("unpaused")
+
+    profiler = StepProfiler("2:2", False, tmp_path, 0, torch.device("cuda"))  # the patched synchronize is its GPU
+    profiler.before(2)
+    events.clear()
+    profiler.after(2, paused)
+    assert events == ["GPU sync", "paused: writing a profile", "unpaused"]
