@@ -78,7 +78,7 @@ class TrainConfig:
     steps: int = 200
     """Optimizer steps to train for."""
     seq_len: int = 256
-    """Tokens per sample; at most model.max_seq_len."""
+    """Tokens per sample; at most model.max_seq_len (for a team's own model, its max_seq_len attribute if any)."""
     micro_batch_size: int = 8
     """Samples per rank per forward/backward."""
     grad_accum_steps: int = 1
@@ -448,8 +448,10 @@ def grads_in_compute_pool(parallel: ParallelConfig, grad_accum_steps: int) -> bo
             and (grad_accum_steps == 1 or p.defer_grad_sync))
 
 
-def validate(cfg: Config, world_size: int, device_type: str) -> None:
-    """Check every setting against the job it will run in; raise ConfigError naming field, value and fix."""
+def validate(cfg: Config, world_size: int, device_type: str, own_model: bool = False) -> None:
+    """Check every setting against the job it will run in; raise ConfigError naming field, value and fix.
+    `own_model`: a team's own model is trained (train.main's model_fn), not the Llama of model.*: its context and
+    blocks are checked once it is built (train.check_own_model), not the preset's."""
     from fsdp_trainer.models.llama import model_args_from_config
 
     # No float setting means anything at inf or nan (a timeout of inf overflows torch's timedelta, a nan passes
@@ -466,9 +468,11 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
     for name in ("steps", "seq_len", "micro_batch_size", "grad_accum_steps", "log_every"):
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name}={getattr(t, name)}: must be at least 1")
-    if t.seq_len > args.max_seq_len:
-        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={args.max_seq_len} of preset "
-                          f"'{cfg.model.name}'; lower train.seq_len or raise model.max_seq_len")
+    if not own_model:
+        if t.seq_len > args.max_seq_len:
+            raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={args.max_seq_len} of preset "
+                              f"'{cfg.model.name}'; lower train.seq_len or raise model.max_seq_len")
+        check_block_counts(cfg, args.n_layers)
     if not 0 <= t.seed < 2 ** 44:  # each parameter's generator is seeded with seed x 1,000,003 + crc32(its name)
         raise ConfigError(f"train.seed={t.seed}: must be between 0 and 2**44 - 1")
     o = cfg.optim
@@ -495,9 +499,6 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
     for name in ("loss_chunk_tokens", "gc_every"):
         if getattr(t, name) < 0:
             raise ConfigError(f"train.{name}={getattr(t, name)}: must be >= 0 (0 turns it off)")
-    if not 0 <= cfg.parallel.keep_gathered <= args.n_layers:
-        raise ConfigError(f"parallel.keep_gathered={cfg.parallel.keep_gathered}: must be between 0 and the model's "
-                          f"{args.n_layers} blocks (reshard_after_forward=never keeps every group)")
     if cfg.parallel.keep_gathered and cfg.parallel.reshard_after_forward != "default":
         raise ConfigError(f"parallel.keep_gathered={cfg.parallel.keep_gathered} adds blocks to what "
                           "reshard_after_forward=default keeps, but reshard_after_forward="
@@ -506,9 +507,6 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
         raise ConfigError(f"parallel.prefetch={cfg.parallel.prefetch}: must be at least 1 (FSDP2's own schedule)")
     if cfg.ac.every < 1:
         raise ConfigError(f"ac.every={cfg.ac.every}: must be at least 1")
-    if cfg.ac.mode == "selective" and cfg.ac.every > args.n_layers:
-        raise ConfigError(f"ac.every={cfg.ac.every} with ac.mode=selective checkpoints every {cfg.ac.every}th block, "
-                          f"and the model has {args.n_layers}: none would be; lower ac.every, or set ac.mode=none")
     if cfg.data.path is not None and cfg.data.source != "tokens":  # else a run meant for that data trains on other
         raise ConfigError(f"data.path={cfg.data.path} is set, but data.source={cfg.data.source} does not read it: "
                           "add --data.source tokens, or unset data.path")
@@ -542,6 +540,16 @@ def validate(cfg: Config, world_size: int, device_type: str) -> None:
             if is_set:
                 raise ConfigError(f"{name} needs a CUDA GPU, and this job runs on CPU; remove it "
                                   "(or run on a machine with GPUs)")
+
+
+def check_block_counts(cfg: Config, n_blocks: int) -> None:
+    """The settings that count a model's blocks, against the n_blocks it has."""
+    if not 0 <= cfg.parallel.keep_gathered <= n_blocks:
+        raise ConfigError(f"parallel.keep_gathered={cfg.parallel.keep_gathered}: must be between 0 and the model's "
+                          f"{n_blocks} blocks (reshard_after_forward=never keeps every group)")
+    if cfg.ac.mode == "selective" and cfg.ac.every > n_blocks:
+        raise ConfigError(f"ac.every={cfg.ac.every} with ac.mode=selective checkpoints every {cfg.ac.every}th block, "
+                          f"and the model has {n_blocks}: none would be; lower ac.every, or set ac.mode=none")
 
 
 def _float_settings(cfg: Config):

@@ -35,8 +35,8 @@ from torch.utils.data import Dataset
 
 from fsdp_trainer import distributed
 from fsdp_trainer.checkpoint import CheckpointError, Checkpointer, StopSignals
-from fsdp_trainer.config import (Config, ConfigError, check_output_dirs, grads_in_compute_pool, mesh_shape, parse_args,
-                                 resolve_param_dtype, to_toml, validate)
+from fsdp_trainer.config import (Config, ConfigError, check_block_counts, check_output_dirs, grads_in_compute_pool,
+                                 mesh_shape, parse_args, resolve_param_dtype, to_toml, validate)
 from fsdp_trainer.data import DataError, build_dataloader, build_dataset, samples_per_step, stop_workers
 from fsdp_trainer.distributed import logger
 from fsdp_trainer.faults import NonFiniteError, NonFiniteGuard, Watchdog, describe_oom, enable_flight_recorder
@@ -44,7 +44,7 @@ from fsdp_trainer.loss import compiled_cross_entropy, cross_entropy
 from fsdp_trainer.metrics import GiB, Metrics, PhaseTimer, environment, write_run_info
 from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm, follow_current_schedule
-from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile, apply_fsdp, init_weights
+from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile, apply_fsdp, blocks_of, init_weights
 from fsdp_trainer.plan import Plan, check_fits
 from fsdp_trainer.profiling import OPTIMIZER_RANGE, StepProfiler
 
@@ -52,7 +52,8 @@ from fsdp_trainer.profiling import OPTIMIZER_RANGE, StepProfiler
 # A team's own model: `model_fn(cfg)` returns (model, block classes, groups) as README's "Your own model" describes
 # them, the model built on the meta device (init_weights then fills it, seeded by train.seed) or eagerly, with a
 # vocabulary of model.vocab_size (model_args_from_config(cfg.model).vocab_size: the flag, else the preset's), which
-# the data are checked against. ac.* and parallel.* apply to it as to Llama.
+# the data are checked against. ac.* and parallel.* apply to it as to Llama, counting its blocks; train.seq_len is
+# bounded by its max_seq_len attribute, if it has one, not by the preset's.
 ModelFn = Callable[[Config], tuple[nn.Module, Sequence[type], Sequence[Sequence[nn.Module]]]]
 
 
@@ -69,6 +70,10 @@ def build_model(cfg: Config, mesh, device: torch.device, model_fn: Optional[Mode
     else:
         args = None
         model, blocks, groups = model_fn(cfg)
+        vocab_size = model_args_from_config(cfg.model).vocab_size  # the data's ids are checked against it
+        check_own_model(model, blocks, cfg, vocab_size)  # before sharding and materializing it
+        if not cfg.train.loss_chunk_tokens:  # else forward returns the loss
+            model.register_forward_hook(logits_check(vocab_size))
     apply_ac(model, blocks, cfg.ac.mode, cfg.ac.every)
     if cfg.parallel.compile:
         apply_compile(model, blocks)
@@ -103,7 +108,6 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
     lap = phases.lap if phases else lambda phase: None
     accum = cfg.train.grad_accum_steps
     loss_of = compiled_cross_entropy if cfg.parallel.compile else cross_entropy
-    vocab_size = model_args_from_config(cfg.model).vocab_size  # the data's ids are checked against it
     loss_sum = torch.zeros((), device=device)
     for micro in range(accum):
         inputs, labels = (t.to(device, non_blocking=True) for t in next(batches))
@@ -115,12 +119,6 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
             loss = model(inputs, labels, cfg.train.loss_chunk_tokens) / accum
         else:
             logits = model(inputs)
-            if (not isinstance(logits, torch.Tensor) or logits.shape[:-1] != labels.shape
-                    or logits.shape[-1] < vocab_size):  # shapes only: no sync
-                raise TypeError(f"model(tokens) returned {_shape_of(logits)} for tokens of shape "
-                                f"{tuple(inputs.shape)}: the trainer needs the logits alone, one tensor of shape "
-                                f"(batch, seq_len, vocab_size) with vocab_size at least model.vocab_size="
-                                f"{vocab_size}, which the data's ids are checked against")
             loss = loss_of(logits, labels) / accum
         (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach()
@@ -179,8 +177,6 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
 
     mesh = distributed.build_mesh(device.type, dp_replicate, dp_shard)
     model, args = build_model(cfg, mesh, device, model_fn)
-    if args is None:
-        check_own_model(model, cfg)
     num_params = args.num_params() if args is not None else sum(p.numel() for p in model.parameters())
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
@@ -263,25 +259,46 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     return {"step": progress.step, "history": history, "model": model, "optimizer": optimizer, "scaler": scaler}
 
 
-def check_own_model(model: nn.Module, cfg: Config) -> None:
-    """Before any step, what would otherwise fail inside the first one (on GPUs, as a device-side assert): a token
-    embedding smaller than model.vocab_size, the ids the data are checked against (the largest nn.Embedding is
-    taken for it: a position embedding is smaller); a forward that cannot take train.loss_chunk_tokens' call,
-    model(tokens, labels, chunk_tokens)."""
+def check_own_model(model: nn.Module, blocks: Sequence[type], cfg: Config, vocab_size: int) -> None:
+    """What would otherwise fail inside the first step (on GPUs, as a device-side assert) or do nothing unsaid,
+    before the model is sharded: a token embedding smaller than vocab_size, the ids the data are checked against
+    (the largest nn.Embedding is taken for it: a position embedding is smaller); train.seq_len beyond the model's
+    max_seq_len attribute; settings counting more blocks than it has; a forward that cannot take
+    train.loss_chunk_tokens' call, model(tokens, labels, chunk_tokens)."""
+    name = _class_name(model)
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    vocab_size = model_args_from_config(cfg.model).vocab_size
     if sizes and max(sizes) < vocab_size:
-        raise ValueError(f"{_class_name(model)}'s largest embedding has {max(sizes)} rows, but the data may hold "
-                         f"ids up to model.vocab_size={vocab_size}: set --model.vocab_size {max(sizes)} "
-                         "(the data are checked against it), or build the model with that vocabulary")
+        raise ConfigError(f"{name}'s largest embedding has {max(sizes)} rows, but the data may hold ids up to "
+                          f"model.vocab_size={vocab_size}: set --model.vocab_size {max(sizes)} (the data are "
+                          "checked against it), or build the model with that vocabulary")
+    max_seq_len = getattr(model, "max_seq_len", None)
+    if max_seq_len is not None and cfg.train.seq_len > max_seq_len:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds {name}.max_seq_len={max_seq_len}: lower "
+                          "--train.seq_len, or build the model with a longer context")
+    check_block_counts(cfg, len(blocks_of(model, blocks)))
     if not cfg.train.loss_chunk_tokens:
         return
     try:
         inspect.signature(model.forward).bind(None, None, None)
     except TypeError:
-        raise ValueError(f"train.loss_chunk_tokens needs {_class_name(model)}.forward(tokens, labels, "
-                         "chunk_tokens) returning the mean loss, but its forward takes "
-                         f"{inspect.signature(model.forward)}: set --train.loss_chunk_tokens 0") from None
+        raise ConfigError(f"train.loss_chunk_tokens needs {name}.forward(tokens, labels, chunk_tokens) returning "
+                          f"the mean loss, but its forward takes {inspect.signature(model.forward)}: set "
+                          "--train.loss_chunk_tokens 0") from None
+
+
+def logits_check(vocab_size: int):
+    """A forward hook for a team's own model: the loss takes one tensor of logits, (batch, seq_len, at least
+    vocab_size) for tokens of shape (batch, seq_len); anything else is named at the first forward, before the loss
+    fails on it obscurely. Shapes only: no sync."""
+    def check(module: nn.Module, inputs: tuple, logits) -> None:
+        tokens = inputs[0]
+        if (not isinstance(logits, torch.Tensor) or logits.shape[:-1] != tokens.shape
+                or logits.shape[-1] < vocab_size):
+            raise TypeError(f"model(tokens) returned {_shape_of(logits)} for tokens of shape {tuple(tokens.shape)}: "
+                            "the trainer needs the logits alone, one tensor of shape (batch, seq_len, vocab_size) "
+                            f"with vocab_size at least model.vocab_size={vocab_size}, which the data's ids are "
+                            "checked against")
+    return check
 
 
 @contextlib.contextmanager
@@ -352,7 +369,7 @@ def main(argv=None, model_fn: Optional[ModelFn] = None) -> None:
     # Everything that can be checked without a GPU is checked before the process group or any memory.
     try:
         cfg = parse_args(argv)
-        validate(cfg, world_size, "cuda" if torch.cuda.is_available() else "cpu")
+        validate(cfg, world_size, "cuda" if torch.cuda.is_available() else "cpu", own_model=model_fn is not None)
     except ConfigError as err:  # the same on every rank: one message is enough
         exit_with_error(str(err), show=rank == 0)
     # Errors that depend on the node (its data, its GPUs) are printed once per node, by its first rank.
@@ -377,7 +394,8 @@ def main(argv=None, model_fn: Optional[ModelFn] = None) -> None:
         run(cfg, info, memory_plan, signals, dataset, model_fn)
     except BaseException as err:
         distributed.shutdown(abort=not (isinstance(err, SystemExit) and not err.code))  # exit 0: a clean stop
-        if isinstance(err, (CheckpointError, NonFiniteError)):  # raised alike on every rank: one message will do
+        # Raised alike on every rank (a team's model checked once built, say): one message will do.
+        if isinstance(err, (CheckpointError, ConfigError, NonFiniteError)):
             exit_with_error(str(err), show=info.is_main)
         if isinstance(err, DataError):  # raised by the ranks that read the bad data only
             exit_with_error(f"[rank {info.rank}] {err}", show=True)

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import copy
 import math
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdp_trainer import distributed, train
+from fsdp_trainer.config import ConfigError, parse_args
 from fsdp_trainer.data import build_dataloader, build_dataset
 from fsdp_trainer.optim import build_optimizer, build_scheduler, lr_at
 
@@ -128,8 +133,10 @@ def test_a_teams_model_resumes_on_another_world_size(tmp_path):
 
 
 def one_step(model):
-    """train_step on one process, the model unsharded, on a batch of 2 x 32 tokens."""
+    """train_step on one process, the model unsharded and checked as the trainer checks a team's model, on a batch
+    of 2 x 32 tokens."""
     cfg = tiny_config()
+    model.register_forward_hook(train.logits_check(cfg.model.vocab_size))
     optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
     tokens = torch.randint(0, 320, (2, 33), generator=torch.Generator().manual_seed(0))
     batches = iter([(tokens[:, :-1], tokens[:, 1:])])
@@ -161,6 +168,18 @@ def test_a_forward_that_does_not_return_logits_is_named(model, returned):
         one_step(model())
 
 
+def narrow_head_fn(cfg):
+    return NarrowHead(), (GPT2Block,), []
+
+
+def test_the_trainer_checks_the_logits_of_a_teams_model(tmp_path):
+    """The check above is the one build_model puts on a team's model (the stdlib data's byte ids, all below 300, would
+    train unchecked)."""
+    cfg = tiny_config(train={"output_dir": str(tmp_path)})
+    with pytest.raises(AssertionError, match=r"TypeError: model\(tokens\) returned a tensor of shape \(4, 32, 300\)"):
+        run_ranks(train_gpt2, 1, cfg, narrow_head_fn)
+
+
 def small_vocab_fn(cfg):
     return GPT2(vocab=300), (GPT2Block,), []
 
@@ -168,17 +187,41 @@ def small_vocab_fn(cfg):
 def test_an_embedding_smaller_than_the_data_s_vocabulary_is_named_before_the_first_step(tmp_path):
     """Ids up to model.vocab_size would index past it: an IndexError in the first step, a device-side assert on GPUs."""
     cfg = tiny_config(train={"output_dir": str(tmp_path)})
-    with pytest.raises(AssertionError, match=r"ValueError: GPT2's largest embedding has 300 rows, but the data may "
+    with pytest.raises(AssertionError, match=r"ConfigError: GPT2's largest embedding has 300 rows, but the data may "
                                              r"hold ids up to model.vocab_size=320: set --model.vocab_size 300"):
         run_ranks(train_gpt2, 1, cfg, small_vocab_fn)
 
 
+def test_main_names_what_is_wrong_with_a_teams_model_in_one_line(tmp_path):
+    """The trainer's command line, a single process: a model that does not fit the settings is bad input (exit 2,
+    one error line), not a crash with a traceback per rank."""
+    script = ("import sys\n"
+              f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+              "from fsdp_trainer import train\n"
+              "from test_own_model import small_vocab_fn\n"
+              "train.main(sys.argv[1:], model_fn=small_vocab_fn)\n")
+    out = subprocess.run([sys.executable, "-c", script, *TINY_FLAGS, "--data.source", "synthetic",
+                          "--dist.no_flight_recorder", "--train.output_dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "error: GPT2's largest embedding has 300 rows" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_the_chunked_loss_refuses_a_forward_that_takes_only_tokens(tmp_path):
     cfg = tiny_config(train={"output_dir": str(tmp_path), "loss_chunk_tokens": 16})
-    with pytest.raises(AssertionError, match=r"ValueError: train.loss_chunk_tokens needs GPT2.forward\(tokens, "
+    with pytest.raises(AssertionError, match=r"ConfigError: train.loss_chunk_tokens needs GPT2.forward\(tokens, "
                                              r"labels, chunk_tokens\) returning the mean loss, but its forward takes "
                                              r"\(tokens\): set --train.loss_chunk_tokens 0"):
         run_ranks(train_gpt2, 1, cfg)
+
+
+def start_main_until_the_group(tmp_path, monkeypatch, *flags: str) -> None:
+    """main(model_fn=gpt2_fn) on the tiny flags and `flags`, up to where it would start the process group."""
+    monkeypatch.setattr(train.distributed, "init", lambda *a, **k: pytest.fail("group started"))
+    monkeypatch.setattr(train.StopSignals, "install", lambda self: None)  # main() would not restore them here
+    with pytest.raises(pytest.fail.Exception, match="group started"):
+        train.main([*TINY_FLAGS, "--data.source", "synthetic", "--dist.no_flight_recorder",
+                    "--train.output_dir", str(tmp_path), *flags], model_fn=gpt2_fn)
 
 
 def test_the_memory_plan_is_skipped_for_a_teams_model_and_says_so(tmp_path, monkeypatch, capsys):
@@ -186,13 +229,34 @@ def test_the_memory_plan_is_skipped_for_a_teams_model_and_says_so(tmp_path, monk
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: pytest.fail("planned"))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    monkeypatch.setattr(train.distributed, "init", lambda *a, **k: pytest.fail("group started"))
-    monkeypatch.setattr(train.StopSignals, "install", lambda self: None)  # main() would not restore them here
-    with pytest.raises(pytest.fail.Exception, match="group started"):
-        train.main([*TINY_FLAGS, "--data.source", "synthetic", "--dist.no_flight_recorder",
-                    "--train.output_dir", str(tmp_path)], model_fn=gpt2_fn)
+    start_main_until_the_group(tmp_path, monkeypatch)
     assert "memory plan: none for your own model; the planner knows only the Llama that --model.* describes" in \
         capsys.readouterr().err
+
+
+def test_the_llama_preset_s_context_and_depth_do_not_bound_a_teams_model(tmp_path, monkeypatch):
+    """GPT2's 32 positions and 2 blocks, not the preset's 16 positions and 1 block: seq_len 32, keep_gathered 2 and
+    selective AC of every 2nd block start (its own bounds are checked once it is built)."""
+    start_main_until_the_group(tmp_path, monkeypatch, "--model.max_seq_len", "16", "--model.n_layers", "1",
+                               "--parallel.keep_gathered", "2", "--ac.mode", "selective", "--ac.every", "2")
+
+
+class LongContextGPT2(GPT2):
+    max_seq_len = 32
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--train.seq_len", "64"], "train.seq_len=64 exceeds LongContextGPT2.max_seq_len=32: lower --train.seq_len, or "
+                                "build the model with a longer context"),
+    (["--parallel.keep_gathered", "3"], "parallel.keep_gathered=3: must be between 0 and the model's 2 blocks"),
+    (["--ac.mode", "selective", "--ac.every", "3"], "ac.every=3 with ac.mode=selective checkpoints every 3th block, "
+                                                    "and the model has 2: none would be"),
+])
+def test_a_teams_model_s_own_context_and_blocks_bound_the_run(flags, message):
+    cfg = parse_args([*TINY_FLAGS, *flags])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train.check_own_model(LongContextGPT2(), (GPT2Block,), cfg, cfg.model.vocab_size)
+    train.check_own_model(LongContextGPT2(), (GPT2Block,), parse_args(TINY_FLAGS), cfg.model.vocab_size)
 
 
 def test_flops_per_token_of_a_teams_model(caplog):

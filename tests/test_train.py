@@ -259,21 +259,32 @@ def test_chunked_loss_under_fsdp_matches_reference(tmp_path, model, parallel, lo
     assert_matches_float32_reference(results, cfg, loss_tol=loss_tol, update_rtol=update_rtol)
 
 
+def one_llama_step(cfg, micro_batches: int = 1) -> None:
+    """train_step on one process, cfg's Llama unsharded, on `micro_batches` copies of a batch of 2 samples."""
+    args = model_args_from_config(cfg.model)
+    model = build(args, device="cpu")
+    model.init_weights(0)
+    optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    tokens = torch.randint(0, args.vocab_size, (2, cfg.train.seq_len + 1))
+    batches = iter([(tokens[:, :-1], tokens[:, 1:])] * micro_batches)
+    train.train_step(model, optimizer, build_scheduler(optimizer, cfg.optim, 1), batches, cfg, None,
+                     torch.device("cpu"))
+
+
 def test_train_step_computes_the_chunked_loss_in_the_model_when_asked(monkeypatch):
     """With train.loss_chunk_tokens the step hands the labels to the model, once per micro-batch."""
     from fsdp_trainer.models import llama
     cfg = tiny_config(train={"loss_chunk_tokens": 16, "grad_accum_steps": 2})
     chunks, real = [], llama.linear_cross_entropy
     monkeypatch.setattr(llama, "linear_cross_entropy", lambda *args: chunks.append(args[3]) or real(*args))
-    args = model_args_from_config(cfg.model)
-    model = build(args, device="cpu")
-    model.init_weights(0)
-    optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
-    tokens = torch.randint(0, args.vocab_size, (2, cfg.train.seq_len + 1))
-    batches = iter([(tokens[:, :-1], tokens[:, 1:])] * 2)
-    train.train_step(model, optimizer, build_scheduler(optimizer, cfg.optim, 1), batches, cfg, None,
-                     torch.device("cpu"))
+    one_llama_step(cfg, micro_batches=2)
     assert chunks == [16, 16]
+
+
+def test_train_step_does_not_derive_the_model_s_args_again(monkeypatch):
+    """What the checks need is derived once, where the model is built, not in every step of the hot loop."""
+    monkeypatch.setattr(train, "model_args_from_config", lambda model_cfg: pytest.fail("derived in a step"))
+    one_llama_step(tiny_config())
 
 
 @pytest.mark.parametrize("defer", [False, True])
