@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -165,7 +167,6 @@ def test_gradients_in_the_compute_pool_train_identically_and_live_on_the_compute
 def test_gradients_in_the_compute_pool_train_identically_on_two_gpus(tmp_path):
     """The same, sharded over two GPUs with NCCL, on blocks large enough for the CPU to run ahead of the GPU:
     a gradient block lent out again before the reduce-scatter wrote it would change the losses."""
-    import json
     import subprocess
     import sys
 
@@ -202,7 +203,6 @@ def test_gradients_in_the_compute_pool_refuse_accumulation_with_sync_on_every_mi
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cpu_offload_trains_on_two_gpus(tmp_path):
     """With the gradients in host memory, the global gradient norm is all-reduced over gloo beside NCCL."""
-    import json
     import subprocess
     import sys
 
@@ -267,3 +267,17 @@ def test_a_hung_rank_under_nccl_is_the_only_suspect(tmp_path):
     dump = tmp_path.resolve() / "flight_recorder" / "watchdog_rank0"
     assert f"flight recorder trace written to {dump}" in proc.stderr
     assert pickle.loads(dump.read_bytes())["entries"], "an empty flight recorder"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("rank,untried", [(0, "1 -> 0"), (1, "")])
+def test_a_dead_link_under_nccl_is_named_alone(rank, untried):
+    """Under NCCL a rank's sends and receives share one stream: the doctor names the one link that never delivered,
+    not also the link that waited behind it (tests/test_doctor.py checks the same on gloo)."""
+    from test_doctor import timed_out_check
+    proc, failed = timed_out_check(f"drop:rank={rank}", nproc=2, deadline=10)
+    assert json.loads(proc.stdout)["environment"]["backend"] == "nccl"
+    assert failed["name"] == "send_recv_ring" and failed["links"] == [[rank, 1 - rank]], failed["error"]
+    assert f"no data arrived over {rank} -> {1 - rank} (within " in failed["error"]
+    assert "NCCL_P2P_DISABLE=1" in failed["error"]
+    assert (f"; {untried} untried" in failed["error"]) if untried else ("untried" not in failed["error"])
