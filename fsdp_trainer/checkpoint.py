@@ -59,7 +59,7 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -147,22 +147,27 @@ def unusable_reason(path: Path) -> Optional[str]:
     """Why the committed checkpoint `path` cannot be used, to follow "it", or None if it can. Unlike an interrupted
     save, such a checkpoint is an error, never skipped or deleted: it may be the run's newest, damaged since, or
     written by another version of fsdp_trainer that can still resume it."""
+    return _read_marker(path)[1]
+
+
+def _read_marker(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """(the trainer state, None) of the committed checkpoint `path` if it can be used, else (None, unusable_reason)."""
     try:
         state = read_trainer_state(path)
     except (OSError, ValueError) as err:
-        return f"has an unreadable {MARKER} ({type(err).__name__}: {err})"
+        return None, f"has an unreadable {MARKER} ({type(err).__name__}: {err})"
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        return f"has a {MARKER} that is not format {FORMAT} (written by another version of fsdp_trainer?)"
+        return None, f"has a {MARKER} that is not format {FORMAT} (written by another version of fsdp_trainer?)"
     missing = [key for key in _REQUIRED if key not in state]
     if missing:
-        return (f"has a {MARKER} without {', '.join(missing)} (edited, or written by another version of "
-                "fsdp_trainer?)")
+        return None, (f"has a {MARKER} without {', '.join(missing)} (edited, or written by another version of "
+                      "fsdp_trainer?)")
     if MARKER_SUM in state and state[MARKER_SUM] != _marker_sum(state):
-        return (f"has a {MARKER} that differs from what the save wrote (its {MARKER_SUM} does not match: damaged "
-                f"since, or edited; if edited on purpose, delete its \"{MARKER_SUM}\" line)")
+        return None, (f"has a {MARKER} that differs from what the save wrote (its {MARKER_SUM} does not match: "
+                      f"damaged since, or edited; if edited on purpose, delete its \"{MARKER_SUM}\" line)")
     if not (Path(path) / ".metadata").is_file():  # rank 0 commits only after DCP wrote it: removed since
-        return f"has a {MARKER} but no .metadata (deleted after the save?)"
-    return None
+        return None, f"has a {MARKER} but no .metadata (deleted after the save?)"
+    return state, None
 
 
 def _marker_sum(state: dict) -> int:
@@ -189,7 +194,15 @@ def committed_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return [(step, path) for step, path in list_checkpoints(root) if incomplete_reason(path) is None]
 
 
-def find_latest(root: Path) -> tuple[Optional[Path], list[tuple[Path, str]]]:
+class Checkpoint(NamedTuple):
+    """A committed checkpoint found usable, with the trainer state read from its marker then. What loads it reads
+    that state from here: read again, the marker could say otherwise than what was checked."""
+
+    path: Path
+    state: dict
+
+
+def find_latest(root: Path) -> tuple[Optional[Checkpoint], list[tuple[Path, str]]]:
     """The newest complete checkpoint under root (or None), and the newer incomplete ones passed over, with why.
     A CheckpointError if the newest committed one is unusable: passing over it would resume from an older one,
     and the run's later saves would then land next to it."""
@@ -197,18 +210,18 @@ def find_latest(root: Path) -> tuple[Optional[Path], list[tuple[Path, str]]]:
     for _, path in reversed(list_checkpoints(root)):
         reason = incomplete_reason(path)
         if reason is None:
-            check_usable(path)
-            return path, skipped
+            return check_usable(path), skipped
         skipped.append((path, reason))
     return None, skipped
 
 
-def check_usable(path: Path) -> None:
-    """A CheckpointError naming the committed checkpoint `path`, its problem and the ways on, if it is unusable."""
-    problem = unusable_reason(path)
+def check_usable(path: Path) -> Checkpoint:
+    """The committed checkpoint `path`; a CheckpointError naming it, its problem and the ways on if it is unusable."""
+    state, problem = _read_marker(path)
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} cannot be used: it {problem}. Nothing was deleted; "
                               f"{ways_past(path)}")
+    return Checkpoint(Path(path), state)
 
 
 def ways_past(path: Path) -> str:
@@ -217,12 +230,14 @@ def ways_past(path: Path) -> str:
     folder's step_* names, or the run saves to another folder."""
     path = Path(path)
     match = _STEP_DIR.match(path.name)
-    older = [p for step, p in complete_checkpoints(path.parent) if match is None or step < int(match.group(1))]
+    older = [p for step, p in list_checkpoints(path.parent) if match is None or step < int(match.group(1))]
+    # Newest first, reading markers only until one is usable: resume computes this before it knows of any problem.
+    previous = next((p for p in reversed(older) if incomplete_reason(p) is None and unusable_reason(p) is None), None)
     aside = f"rename it (mv {path} {path}.unusable: resume and retention see only folders named step_<number>)"
-    if not older:
+    if previous is None:
         return f"{aside}, and --checkpoint.resume auto starts fresh: there is no earlier complete checkpoint"
-    return (f"{aside}, and --checkpoint.resume auto takes the previous complete checkpoint, {older[-1]}; or keep "
-            f"it there and resume from that one into a new folder: --checkpoint.resume {older[-1]} "
+    return (f"{aside}, and --checkpoint.resume auto takes the previous complete checkpoint, {previous}; or keep "
+            f"it there and resume from that one into a new folder: --checkpoint.resume {previous} "
             "--checkpoint.dir <new folder>")
 
 
@@ -236,7 +251,7 @@ def _export_hint(path: Path) -> str:
     return ""
 
 
-def resolve(path: str | Path, flag: str) -> Path:
+def resolve(path: str | Path, flag: str) -> Checkpoint:
     """The complete checkpoint a user named: a step folder, or a checkpoint folder (then its newest one)."""
     path = Path(path).expanduser()
     if not path.exists():
@@ -248,8 +263,7 @@ def resolve(path: str | Path, flag: str) -> Path:
             complete = complete_checkpoints(path.parent)
             hint = f"the newest complete one there is {complete[-1][1]}" if complete else "there is no complete one"
             raise CheckpointError(f"{flag} {path}: not a complete checkpoint: it {reason}; {hint}")
-        check_usable(path)
-        return path
+        return check_usable(path)
     latest, _ = find_latest(path)
     if latest is None:
         raise CheckpointError(f"{flag} {path}: holds no complete checkpoint (a step_* folder with {MARKER})"
@@ -267,13 +281,15 @@ def _size_bytes(path: Path) -> int:
 
 # --------------------------------------------------------------------------------- checking before loading
 
-def read_metadata(path: Path, fix: str, checksums: bool = True) -> Metadata:
+def read_metadata(checkpoint: Checkpoint, fix: str, checksums: bool = True) -> Metadata:
     """DCP's index of a checkpoint; a CheckpointError naming the folder and `fix` if it cannot be read or, with
     `checksums`, differs from what the save wrote (a changed size in it still unpickles, and would be taken for
-    another model's shape)."""
-    saved = (read_trainer_state(path).get(CHECKSUMS) or {}).get(".metadata") if checksums else None
-    if saved and (problem := _problem(Path(path), ".metadata", saved, threading.Event())):
-        raise _corrupt(Path(path), [problem], fix)
+    another model's shape). Of a checkpoint's files, only this one is checked before it is used: checked() leaves
+    it out."""
+    path, state = checkpoint
+    saved = (state.get(CHECKSUMS) or {}).get(".metadata") if checksums else None
+    if saved and (problem := _problem(path, ".metadata", saved, threading.Event())):
+        raise _corrupt(path, [problem], fix)
     try:
         return dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # a truncated or foreign file fails in pickle, in torch or in the OS
@@ -446,9 +462,9 @@ def _corrupt(path: Path, problems: list[str], fix: str) -> CheckpointError:
 
 
 def _share(names: list[str], rank: int, world: int, saved_world: int) -> list[str]:
-    """The files of a checkpoint this rank checks: on the saving world size, those it wrote itself (__<rank>_*),
-    which it also loads, so that on several nodes each file is read on the node that loads it; else every
-    world-th file. .metadata goes to rank 0."""
+    """The data files of a checkpoint this rank checks: on the saving world size, those it wrote itself
+    (__<rank>_*), which it also loads, so that on several nodes each file is read on the node that loads it; else
+    every world-th file."""
     if world != saved_world:
         return names[rank::world]
     owner = {name: int(m.group(1)) if (m := re.match(r"__(\d+)_", name)) else 0 for name in names}
@@ -456,28 +472,29 @@ def _share(names: list[str], rank: int, world: int, saved_world: int) -> list[st
 
 
 @contextlib.contextmanager
-def checked(path: Path, group: Optional[dist.ProcessGroup], fix: str, threads: int,
+def checked(checkpoint: Checkpoint, group: Optional[dist.ProcessGroup], fix: str, threads: int,
             enabled: bool = True) -> Iterator[list[str]]:
-    """Check the files of the committed checkpoint `path` against the size and CRC32 its save recorded while the
+    """Check the data files of a committed checkpoint against the size and CRC32 its save recorded while the
     block reads the checkpoint: the page cache then serves one of the two reads of each file, where checking first
-    would read the whole checkpoint twice. Each rank of `group` (None: this process alone) checks its share of the
+    would read the whole checkpoint twice. Its .metadata is read_metadata's to check, before the shapes in it are
+    used: every caller has read it so. Each rank of `group` (None: this process alone) checks its share of the
     files, `threads` at a time. After the block, every rank raises a CheckpointError naming the damaged files and
     `fix` (in place of the block's own error, which such files cause), or the list yielded holds what was checked,
     to log. It stays empty for a checkpoint saved without checksums, and when not `enabled` (then nothing else
     happens either: every rank has the same setting)."""
-    state = read_trainer_state(path)
+    path, state = checkpoint
     recorded = state.get(CHECKSUMS) or {}
     if not enabled:
         yield []
         return
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    mine = _share(sorted(recorded), rank, world, state["world_size"])
+    mine = _share(sorted(recorded.keys() - {".metadata"}), rank, world, state["world_size"])
     stop, report, failure = threading.Event(), [], None
 
     def check() -> tuple[list[str], float]:
         start = time.perf_counter()
         with ThreadPoolExecutor(max(1, threads)) as pool:  # zlib releases the GIL
-            found = pool.map(lambda name: _problem(Path(path), name, recorded[name], stop), mine)
+            found = pool.map(lambda name: _problem(path, name, recorded[name], stop), mine)
             return [problem for problem in found if problem], time.perf_counter() - start
 
     with ThreadPoolExecutor(1) as pool:
@@ -501,13 +518,13 @@ def checked(path: Path, group: Optional[dist.ProcessGroup], fix: str, threads: i
             raise
         raise failure  # the group broke: the block's own error says why
     if problems:
-        raise _corrupt(Path(path), problems, fix) from failure
+        raise _corrupt(path, problems, fix) from failure
     if failure is not None:
         raise failure
     if recorded:
         size = sum(size for size, _ in recorded.values())
-        report.append(f"{len(recorded)} files ({size / 1e9:.3f} GB) match their checksums ({len(mine)} checked by "
-                      f"this process in {seconds:.2f} s)")
+        report.append(f"{len(recorded)} files ({size / 1e9:.3f} GB) match their checksums (.metadata and "
+                      f"{len(mine)} data files checked by this process in {seconds:.2f} s)")
 
 
 def tensor_shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
@@ -567,9 +584,11 @@ def shapeless_changes(path: Path, args, names: Sequence[str] = ("n_heads", "n_kv
 
 
 def check_shapes(path: Path, metadata: Metadata, expected: dict[str, tuple[int, ...]], unexpected_prefix: str,
-                 fix: str) -> None:
+                 fix: str, misfit: str = "") -> None:
     """Raise a CheckpointError listing every expected tensor that `path` lacks or holds in another shape, and
-    every saved tensor under `unexpected_prefix` that is not expected (a model with more layers, say)."""
+    every saved tensor under `unexpected_prefix` that is not expected (a model with more layers, say), then `fix`.
+    It says that the checkpoint does not fit, and which model settings its config.toml records; or, for expected
+    shapes that this config.toml gave, `misfit` instead: then the settings in it are what is in doubt."""
     saved = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
              if isinstance(v, TensorStorageMetadata)}
     problems = []
@@ -577,13 +596,14 @@ def check_shapes(path: Path, metadata: Metadata, expected: dict[str, tuple[int, 
         if key not in saved:
             problems.append(f"{key} is missing from the checkpoint")
         elif saved[key] != shape:
-            problems.append(f"{key} has shape {list(saved[key])} in the checkpoint but {list(shape)} here")
+            problems.append(f"{key} has shape {list(saved[key])} in the checkpoint but {list(shape)} in this model")
     problems += [f"{key} is in the checkpoint but not in this model" for key in saved
                  if key.startswith(unexpected_prefix) and key not in expected]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise CheckpointError(f"checkpoint {path} does not fit: {'; '.join(problems[:3])}{more}."
-                              f"{_saved_model_settings(path)} {fix}")
+        settings = "" if misfit else _saved_model_settings(path)
+        raise CheckpointError(f"checkpoint {path} {misfit or 'does not fit'}: {'; '.join(problems[:3])}{more}."
+                              f"{settings} {fix}")
 
 
 # ------------------------------------------------------------------------------------------------ RNG state
@@ -843,12 +863,13 @@ class Checkpointer:
         Exits 0 on every rank if a stop signal reached any of them during start-up: nothing new is trained, so
         nothing needs saving, and the time a preemption grants is better spent exiting than compiling."""
         self._check_ranks_read_the_same_data()
-        path, self._started_from = self._agree(self._choose_resume)
+        # With the marker as rank 0 read and checked it: every rank loads by that one read.
+        checkpoint, self._started_from = self._agree(self._choose_resume)
         c = self.cfg.checkpoint
-        if path is not None:
+        if checkpoint is not None:
             if c.init_from:
-                logger.info(f"checkpoint.init_from={c.init_from} ignored: resuming from {path}")
-            progress = self._load(Path(path))
+                logger.info(f"checkpoint.init_from={c.init_from} ignored: resuming from {checkpoint.path}")
+            progress = self._load(checkpoint)
         else:
             self._saved_step = 0  # nothing to save before the first step
             if c.init_from:
@@ -893,7 +914,7 @@ class Checkpointer:
             raise CheckpointError(value)
         return value
 
-    def _choose_resume(self) -> tuple[Optional[str], Optional[str]]:
+    def _choose_resume(self) -> tuple[Optional[Checkpoint], Optional[str]]:
         """The checkpoint to resume from (None: start fresh), and what this run's saves record as started_from: the
         --checkpoint.resume path it was launched with (absolute), kept by every resume since, auto ones included.
         So the same command, run again after a preemption, a crash or a requeue, resumes its own newest checkpoint
@@ -902,36 +923,30 @@ class Checkpointer:
         if resume == "none":
             self._refuse_mixing(after_step=-1, flag="--checkpoint.resume none")
             return None, None
+        # A CheckpointError if the newest committed checkpoint here is unusable: whoever saved it, it is in the way
+        # of every resume.
+        latest, skipped = find_latest(self.root)
         if resume != "auto":
             named = os.path.abspath(os.path.expanduser(resume))  # symbolic links kept: the path as named
-            if not self._saved_by_run_from(named):
-                path = resolve(resume, "--checkpoint.resume")
+            # Saved by a run launched with this --checkpoint.resume: then any other run's checkpoints here are
+            # older, and resume auto is safe.
+            if latest is None or latest.state.get("started_from") != named:
+                checkpoint = resolve(resume, "--checkpoint.resume")
                 # From this folder, its earlier checkpoints are this run's past; from elsewhere, any checkpoint here
-                # is another run's, which resume auto could pick, or retention delete as this run's own.
-                here = path.resolve().parent == self.root.resolve()  # where it is, not where a link to it is
-                self._refuse_mixing(after_step=read_trainer_state(path)["step"] if here else -1,
-                                    flag=f"--checkpoint.resume {path}")
-                return str(path), named
+                # is another run's, which resume auto could pick, or retention delete as this run's own. Where it
+                # is counts, not where a link to it is.
+                here = checkpoint.path.resolve().parent == self.root.resolve()
+                self._refuse_mixing(after_step=checkpoint.state["step"] if here else -1,
+                                    flag=f"--checkpoint.resume {checkpoint.path}")
+                return checkpoint, named
             logger.warning(f"resuming the newest checkpoint of this run, not {named}: this run began from {named} "
                            f"and saved since (to begin again from {named}, save to another --checkpoint.dir)")
-        latest, skipped = find_latest(self.root)
         for path, reason in skipped:
             logger.warning(f"skipping {path}: it {reason}")
         if latest is None:
             logger.info(f"no complete checkpoint in {self.root}: starting fresh")
             return None, None
-        return str(latest), read_trainer_state(latest).get("started_from")
-
-    def _saved_by_run_from(self, named: str) -> bool:
-        """Whether the newest committed checkpoint in this run's folder was saved by a run launched with
-        --checkpoint.resume `named`: then any other run's checkpoints there are older, and resume auto is safe.
-        A CheckpointError if that checkpoint is unusable: whoever saved it, it is in the way of every resume."""
-        committed = committed_checkpoints(self.root)
-        if not committed:
-            return False
-        newest = committed[-1][1]
-        check_usable(newest)
-        return read_trainer_state(newest).get("started_from") == named
+        return latest, latest.state.get("started_from")
 
     def _refuse_mixing(self, after_step: int, flag: str) -> None:
         # Unusable ones count too: a save of their step would find them in the way, and must not delete them.
@@ -942,11 +957,12 @@ class Checkpointer:
                                   "them); to continue the run that saved them, use --checkpoint.resume auto; else "
                                   "save to another --checkpoint.dir, or move them away")
 
-    def _load(self, path: Path) -> Progress:
-        state = read_trainer_state(path)
+    def _load(self, checkpoint: Checkpoint) -> Progress:
+        path, state = checkpoint
         self._check_seq_len(path, state)
         self._check_data(path, state)
-        metadata = read_metadata(path, ways_past(path), self.cfg.checkpoint.checksums)
+        if_corrupt = ways_past(path)  # once: it reads other checkpoints' markers
+        metadata = read_metadata(checkpoint, if_corrupt, self.cfg.checkpoint.checksums)
         model_sd, optim_sd = self._state_dicts()
         fix = ("Resume with the model settings it was saved with, or start a new run with --checkpoint.resume none "
                "and another --checkpoint.dir.")
@@ -961,8 +977,8 @@ class Checkpointer:
             logger.info(f"{path} holds step {progress.step}")
             return progress
         start, c = time.perf_counter(), self.cfg.checkpoint
-        with checked(path, self.group, ways_past(path), c.write_threads, enabled=c.checksums) as report:
-            rng = self._read(path, metadata, model_sd, optim_sd, state["world_size"])
+        with checked(checkpoint, self.group, if_corrupt, c.write_threads, enabled=c.checksums) as report:
+            rng = self._read(path, metadata, model_sd, optim_sd, state["world_size"], if_corrupt)
         if c.checksums:
             logger.info(f"checked {path}: {report[0] if report else NO_CHECKSUMS}")
         # The checkpoint brings the optimizer's state; its settings (weight decay, betas, eps, fused) are this
@@ -981,14 +997,15 @@ class Checkpointer:
         self._log_resume(path, state, progress)
         return progress
 
-    def _read(self, path: Path, metadata: Metadata, model_sd: dict, optim_sd: dict,
-              saved_world_size: int) -> dict[str, torch.Tensor]:
+    def _read(self, path: Path, metadata: Metadata, model_sd: dict, optim_sd: dict, saved_world_size: int,
+              fix: str) -> dict[str, torch.Tensor]:
         """Fill the state dicts in place from `path`, resharded by DCP; returns this rank's RNG state: its own
-        on the same world size, else saved rank 0's (there is no rank-to-rank correspondence then)."""
+        on the same world size, else saved rank 0's (there is no rank-to-rank correspondence then). A
+        CheckpointError ending in `fix` if a file cannot be read."""
         key = f"rank{self.info.rank}" if saved_world_size == self.info.world_size else "rank0"
         target = {"model": model_sd, "optim": optim_sd,
                   "rng": {key: _rng_placeholders(metadata, key, self.info.device)}}
-        load_dcp(target, path, self.group, ways_past(path))
+        load_dcp(target, path, self.group, fix)
         return target["rng"][key]
 
     def _check_model_settings(self, path: Path, fix: str) -> None:
@@ -1308,26 +1325,25 @@ def _list(root: str) -> None:
         print(f"{root}: no checkpoints (no step_* folders){hint}")
     for step, path in found:
         reason = incomplete_reason(path)
-        problem = unusable_reason(path) if reason is None else None
+        state, problem = _read_marker(path) if reason is None else (None, None)
         if reason is not None:
             print(f"{path}  INCOMPLETE: it {reason}")
         elif problem is not None:
             print(f"{path}  UNUSABLE: it {problem}")
         else:
-            state = read_trainer_state(path)
             print(f"{path}  complete  step {step}, {state['consumed_samples']:,} samples, "
                   f"{_size_bytes(path) / 1e9:.3f} GB, saved on {_ranks(state['world_size'])} at {state['saved_at']}")
 
 
 def _verify(named: str) -> None:
-    path = resolve(named, "checkpoint")
-    fix = f"copy it again from where it was saved; or {ways_past(path)}"
-    read_metadata(path, fix)
-    with checked(path, None, fix, threads=os.cpu_count() or 1) as report:
+    checkpoint = resolve(named, "checkpoint")
+    fix = f"copy it again from where it was saved; or {ways_past(checkpoint.path)}"
+    read_metadata(checkpoint, fix)
+    with checked(checkpoint, None, fix, threads=os.cpu_count() or 1) as report:
         pass
     if not report:
-        raise CheckpointError(f"checkpoint {path}: {NO_CHECKSUMS}, so it cannot be verified")
-    print(f"{path}: {report[0]}")
+        raise CheckpointError(f"checkpoint {checkpoint.path}: {NO_CHECKSUMS}, so it cannot be verified")
+    print(f"{checkpoint.path}: {report[0]}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -97,32 +97,26 @@ def load_consolidated(path: Path, checksums: bool = True) -> tuple[dict[str, tor
     """The full (unsharded) model weights of a complete checkpoint and its config, read in this one process
     without a process group: DCP fills tensors allocated from its metadata, whatever the saving world size. With
     `checksums`, the files are checked against those the save recorded, if any."""
-    path = resolve(path, "checkpoint")
-    fix = "export an earlier complete checkpoint"
-    metadata = read_metadata(path, fix, checksums)
+    checkpoint = resolve(path, "checkpoint")
+    path, fix = checkpoint.path, "export an earlier complete checkpoint"
+    metadata = read_metadata(checkpoint, fix, checksums)
     cfg = saved_config(path)  # before the tensors: a large model's take minutes to read
-    state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items()
-             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     # config.toml may have been copied in from another run (saved_config asks for that when it is lost): blocks it
     # does not know would be left out of the Hugging Face export, its untied output projection replaced.
     args = model_args_from_config(cfg.model)
-    expected = {name: list(t.shape) for name, t in build(args).state_dict().items()}
-    saved = {name: list(t.shape) for name, t in state.items()}
-    problems = [f"{name}: {saved.get(name, 'none')} saved, {expected.get(name, 'none')} in its model"
-                for name in sorted(saved.keys() | expected.keys()) if saved.get(name) != expected.get(name)]
-    not_its_own = f"checkpoint {path}: its {CONFIG} does not describe the model saved there"
-    fix_config = ("copy in the config.toml of the run that saved it (from its train.output_dir); a model of your own "
+    misfit = f"has a {CONFIG} that does not describe the model saved there"
+    fix_config = ("Copy in the config.toml of the run that saved it (from its train.output_dir); a model of your own "
                   "(train.main's model_fn) is no Llama, which is all export converts")
-    if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise CheckpointError(f"{not_its_own} ({'; '.join(problems[:3])}{more}); {fix_config}")
-    with checked(path, None, fix, threads=os.cpu_count() or 1, enabled=checksums):
+    check_shapes(path, metadata, tensor_shapes({"model": build(args).state_dict()}), "model.", fix_config, misfit)
+    state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    with checked(checkpoint, None, fix, threads=os.cpu_count() or 1, enabled=checksums):
         load_dcp({"model": state}, path, None, fix)
     if args.tie_embeddings:
         if not torch.equal(state["output.weight"], state["tok_embeddings.weight"]):
-            raise CheckpointError(f"{not_its_own} (tie_embeddings = true in it, but the output projection saved "
-                                  f"there is not the embedding); {fix_config}")
+            raise CheckpointError(f"checkpoint {path} {misfit}: tie_embeddings = true in it, but the output "
+                                  f"projection saved there is not the embedding. {fix_config}")
         state["output.weight"] = state["tok_embeddings.weight"]  # one tensor again, as in the model
     return state, cfg
 
@@ -314,10 +308,10 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
         for name, full in _hf_full_tensors(Path(source[3:]).expanduser(), args, shapes):
             _copy_full(params[name], full)
         return
-    path = resolve(source, "--checkpoint.init_from")
-    model_sd = get_model_state_dict(model)
+    checkpoint = resolve(source, "--checkpoint.init_from")
+    path, model_sd = checkpoint.path, get_model_state_dict(model)
     fix = "give --checkpoint.init_from an earlier complete checkpoint"
-    check_shapes(path, read_metadata(path, fix, threads > 0), tensor_shapes({"model": model_sd}), "model.",
+    check_shapes(path, read_metadata(checkpoint, fix, threads > 0), tensor_shapes({"model": model_sd}), "model.",
                  "Set the --model.* flags it was saved with.")
     # Heads of the same shapes would cut the saved projections into others. A tied checkpoint loads into an untied
     # model as two equal tensors (untying it); the other way round, one of the saved two would overwrite the other
@@ -327,6 +321,6 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
     if then:
         raise CheckpointError(f"checkpoint {path} was saved with {then}, but this model has {now}, and its weights "
                               f"would compute another function: set {flags}")
-    with checked(path, group, fix, threads, enabled=threads > 0):
+    with checked(checkpoint, group, fix, threads, enabled=threads > 0):
         load_dcp({"model": model_sd}, path, group, fix)
     set_model_state_dict(model, model_sd)

@@ -11,8 +11,10 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 import warnings
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -244,7 +246,7 @@ def test_async_and_sync_saves_hold_the_same_tensors(small, tmp_path):
         for step in (2, 4):
             path = ck.step_dir(out / "checkpoints", step)
             assert set(ck.read_trainer_state(path)[ck.CHECKSUMS]) == summed_files(path)
-            with ck.checked(path, None, "", threads=1) as report:
+            with ck.checked(ck.check_usable(path), None, "", threads=1) as report:
                 pass
             assert report and "match their checksums" in report[0]
             want = all_tensors(ck.step_dir(small / "checkpoints", step))
@@ -498,6 +500,29 @@ def test_export_of_a_checkpoint_without_its_config_names_it_and_writes_nothing(s
     assert ck.unusable_reason(step) is None
 
 
+def test_config_toml_is_on_disk_whole_before_the_marker_commits_the_checkpoint(tmp_path, monkeypatch):
+    """A crash, power loss included, must never commit a checkpoint with an empty or partial config.toml, export's
+    only record of the model: the file gets its name only once whole and on disk, and that name is on disk before
+    the marker is written."""
+    step = tmp_path / "checkpoints" / "step_00000001"
+    synced = []  # (inode, whether config.toml had its name yet) of each fsync, in order
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append((os.fstat(fd).st_ino, (step / ck.CONFIG).exists()))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    train_in_process("--train.steps", "1", "--checkpoint.async_mode", "none", "--train.output_dir", str(tmp_path))
+    inodes = [inode for inode, _ in synced]
+    config, marker = (step / ck.CONFIG).stat().st_ino, (step / ck.MARKER).stat().st_ino
+    assert config in inodes, "config.toml's data never went to disk"
+    first = inodes.index(config)
+    assert not synced[first][1], "config.toml had its name before its data was on disk"
+    assert step.stat().st_ino in inodes[first:inodes.index(marker)], "config.toml's name was not on disk before " \
+        "the marker was written"
+
+
 def test_hf_import_reads_rope_and_norm_settings_as_transformers_5_writes_them(tmp_path, monkeypatch):
     """transformers 5 writes RoPE's settings as rope_parameters (4 wrote rope_theta and rope_scaling): another
     theta, one a --model flag can set, is an error naming it, as is an absent one (transformers' default, 10000)
@@ -559,7 +584,7 @@ def test_shape_mismatch_names_key_and_shapes_and_deletes_nothing(small, capsys):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert str(small / "checkpoints/step_00000004") in err
-        assert "model.tok_embeddings.weight has shape [320, 64] in the checkpoint but [320, 128] here" in err
+        assert "model.tok_embeddings.weight has shape [320, 64] in the checkpoint but [320, 128] in this model" in err
         assert "--model.dim 64" in err  # what it was saved with
     assert tree(small) == before
 
@@ -578,7 +603,7 @@ def test_resume_refuses_missing_partial_and_corrupt_checkpoints(small, tmp_path,
     (root / "step_00000008" / ".metadata").unlink()
     (root / "step_00000008" / ck.MARKER).unlink()
     latest, skipped = ck.find_latest(root)
-    assert latest == root / "step_00000004" == ck.resolve(root, "--checkpoint.resume")
+    assert latest.path == root / "step_00000004" == ck.resolve(root, "--checkpoint.resume").path
     assert [p.name for p, _ in skipped] == ["step_00000008", "step_00000006"]
 
     truncated = root / "step_00000004" / "__0_0.distcp"
@@ -668,7 +693,7 @@ def test_a_marker_changed_since_the_save_is_unusable(small, tmp_path, capsys):
     state = json.loads(marker.read_text())
     del state[ck.MARKER_SUM]
     marker.write_text(json.dumps(state))
-    assert ck.find_latest(root)[0] == ck.step_dir(root, 4)
+    assert ck.find_latest(root)[0].path == ck.step_dir(root, 4)
     assert ck.read_trainer_state(ck.step_dir(root, 4))["consumed_samples"] == 9
 
 
@@ -933,8 +958,8 @@ def test_verify_names_a_changed_file(small, tmp_path, capsys, name):
     shutil.copytree(small / "checkpoints/step_00000004", step)
     ck.main(["verify", str(step)])
     files = len(summed_files(step))
-    assert re.fullmatch(rf"{step}: {files} files \([\d.]+ GB\) match their checksums \({files} checked by this "
-                        r"process in [\d.]+ s\)\n", capsys.readouterr().out)
+    assert re.fullmatch(rf"{step}: {files} files \([\d.]+ GB\) match their checksums \(\.metadata and {files - 1} "
+                        r"data files checked by this process in [\d.]+ s\)\n", capsys.readouterr().out)
     flip_a_bit(step / name)
     for command in (["verify", str(step)], ["export", str(step), str(tmp_path / "export")]):
         with pytest.raises(SystemExit) as exit_info:
@@ -987,7 +1012,7 @@ def check_with_an_unreadable_file(step: str, unreadable: str) -> str:
 
     ck._file_sum = failing
     try:
-        with ck.checked(Path(step), dist.group.WORLD, "the fix", threads=2):
+        with ck.checked(ck.check_usable(Path(step)), dist.group.WORLD, "the fix", threads=2):
             pass
     except ck.CheckpointError as err:
         return str(err)
@@ -998,11 +1023,42 @@ def test_a_file_that_cannot_be_read_is_reported_by_every_rank(small):
     """An I/O error while one rank checks its share is a problem like any other: every rank raises the same
     CheckpointError, where one rank's OSError would leave the other waiting for it in the exchange of results."""
     step = small / "checkpoints/step_00000004"
-    unreadable = sorted(summed_files(step))[1::2][0]  # in rank 1's share
+    unreadable = sorted(summed_files(step) - {".metadata"})[1::2][0]  # in rank 1's share
     messages = run_ranks(check_with_an_unreadable_file, 2, str(step), unreadable)
     assert messages[0] == messages[1]
     assert f"is corrupt: {unreadable} cannot be read (OSError: [Errno 5] Input/output error)" in messages[0]
     assert messages[0].endswith("the fix")
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_while_a_checkpoint_loads_stops_its_check_at_once(small, monkeypatch, interrupt):
+    """Ctrl-C, or an exit, while the block of checked() reads the checkpoint: the interrupt goes on at once, and no
+    thread goes on reading the files, which for a large checkpoint would take minutes."""
+    reads = []
+
+    class SlowFile:  # 5 s to read, a byte at a time
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def readinto(self, buffer) -> int:
+            time.sleep(0.01)
+            reads.append(None)
+            return 1 if len(reads) < 500 else 0
+
+    monkeypatch.setattr(ck, "open", lambda *args, **kwargs: SlowFile(), raising=False)
+    checkpoint = ck.check_usable(small / "checkpoints/step_00000004")
+    start = time.monotonic()
+    with pytest.raises(interrupt):
+        with ck.checked(checkpoint, None, "the fix", threads=2):
+            time.sleep(0.1)  # the check is under way
+            raise interrupt
+    assert time.monotonic() - start < 1
+    done = len(reads)
+    time.sleep(0.1)
+    assert 0 < done == len(reads)
 
 
 @pytest.mark.parametrize("checksums", [[], ["--checkpoint.no_checksums"]], ids=["checksums", "no_checksums"])
@@ -1026,9 +1082,9 @@ def test_a_save_whose_writer_thread_failed_is_never_committed(tmp_path, monkeypa
 
 
 def test_on_the_saving_world_size_each_rank_checks_the_files_it_wrote_and_loads():
-    names = sorted([".metadata", "__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp", "__10_0.distcp"])
+    names = sorted(["__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp", "__10_0.distcp"])
     assert ck._share(names, 1, 11, 11) == ["__1_0.distcp", "__1_1.distcp"]
-    assert ck._share(names, 0, 11, 11) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
+    assert ck._share(names, 0, 11, 11) == ["__0_0.distcp", "__0_1.distcp"]
     assert ck._share(names, 10, 11, 11) == ["__10_0.distcp"]
     assert ck._share(names, 1, 2, 11) == names[1::2]  # resharded: no rank loads one rank's files
 
@@ -1044,6 +1100,38 @@ def test_a_checkpoint_saved_without_checksums_resumes_and_says_so(tmp_path, capf
     assert f"step_00000002: {ck.NO_CHECKSUMS}" in err and "resuming from" in err
     assert set(ck.read_trainer_state(out / "checkpoints/step_00000003")[ck.CHECKSUMS]) == \
         summed_files(out / "checkpoints/step_00000003")
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["auto", "named"])
+def test_a_resume_reads_each_marker_and_sums_each_file_once(small, tmp_path, monkeypatch, named):
+    """The marker resume checked is the one it loads by (read again, it could say otherwise), ways_past reads no
+    marker again, and .metadata, checked before its shapes are used, is not summed again with the shards."""
+    step4 = small / "checkpoints/step_00000004"
+    out = tmp_path / "run"
+    if not named:
+        shutil.copytree(small / "checkpoints", out / "checkpoints")
+    markers, sums = Counter(), Counter()
+    read_marker, file_sum, restore = ck.read_trainer_state, ck._file_sum, ck.Checkpointer.restore
+
+    def counted_read(path: Path) -> dict:
+        markers[Path(path).name] += 1
+        return read_marker(path)
+
+    def counted_sum(path: Path, stop) -> list[int]:
+        sums[path.name] += 1
+        return file_sum(path, stop)
+
+    def counted_restore(checkpointer) -> ck.Progress:  # the resume alone: the save after it reads markers too
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ck, "read_trainer_state", counted_read)
+            patch.setattr(ck, "_file_sum", counted_sum)
+            return restore(checkpointer)
+
+    monkeypatch.setattr(ck.Checkpointer, "restore", counted_restore)
+    train_in_process("--train.steps", "5", "--checkpoint.async_mode", "none", "--train.output_dir", str(out),
+                     *(["--checkpoint.resume", str(step4)] if named else []))
+    assert markers["step_00000004"] == 1 and set(markers.values()) == {1}, markers
+    assert sums == Counter(summed_files(step4))
 
 
 def test_a_resumed_optimizer_takes_this_run_s_settings_and_the_saved_state(small, tmp_path):
