@@ -18,7 +18,8 @@ import torch
 
 from fsdp_trainer.config import ConfigError, DataConfig
 from fsdp_trainer.data import (BYTE_EOS, DataError, SampleOrder, StepSampler, SyntheticTokens, build_dataloader, build_dataset,
-                               load_shards, main, prepare, samples_per_step, stdlib_shards, stop_workers, write_shard)
+                               load_shards, main, prepare, samples_per_step, stdlib_shards, stop_workers, write_atomic,
+                               write_shard)
 
 SEQ_LEN = 8
 NUM_SAMPLES = 40
@@ -560,3 +561,34 @@ def test_prepare_with_a_hugging_face_tokenizer(tmp_path):
     with pytest.raises(ValueError, match=r"latin1.txt: not UTF-8 text .*byte 0xe9.*re-encode it as UTF-8"):
         prepare([str(tmp_path / "latin1.txt")], str(tmp_path / "latin1"), tokenizer=str(tmp_path / "tokenizer.json"),
                 log=lambda *a: None)
+
+
+def test_write_atomic_puts_the_data_then_the_name_on_disk_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
+    """The contract the sidecars and checkpoint markers rely on: the file's data reach the disk before it has its
+    name, and the name (the folder's entry) before write_atomic returns; a failed write leaves the old file whole
+    and no temporary file behind; the file is readable by others, as shards and checkpoints are shared."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append("fsync folder" if os.path.isdir(f"/proc/self/fd/{fd}") else "fsync file")
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append("rename")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    target = tmp_path / "marker.json"
+    write_atomic(target, lambda f: f.write(b"new"))
+    assert events == ["fsync file", "rename", "fsync folder"]
+    assert target.read_bytes() == b"new" and target.stat().st_mode & 0o777 == 0o644
+
+    def fail_halfway(f):
+        f.write(b"par")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(target, fail_halfway)
+    assert target.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["marker.json"]
