@@ -28,7 +28,7 @@ BLOCKED = re.compile(r"checkpoint step (\d+) \((\w+)\): training blocked ([\d.]+
 COMPLETE = re.compile(r"complete: ([\d.]+) GB in ([\d.]+) s \(([\d.]+) GB/s")
 STAGING = re.compile(r"checkpoint staging: ([\d.]+) GB of .*allocated in ([\d.]+) s")
 LOADED = re.compile(r"loaded .*: ([\d.]+) GB in ([\d.]+) s \(([\d.]+) GB/s\)")
-CHECKED = re.compile(r"match their checksums \(\d+ checked by this process in ([\d.]+) s\)")
+CHECKED = re.compile(r"match their checksums \(.*checked by this process in ([\d.]+) s\)")
 COLUMNS = [("run", "label", "{}"), ("buffers s", "staging_alloc_s", "{:.1f}"),
            ("first block s", "first_blocked_s", "{:.2f}"), ("block s", "blocked_s", "{:.2f}"),
            ("of which wait s", "waited_s", "{:.2f}"), ("GB", "gb", "{:.1f}"), ("save s", "save_s", "{:.1f}"),

@@ -8,7 +8,8 @@ autocast to the same dtype. Per parameter, FSDP2 holds 16/N bytes per GPU of flo
 AdamW state, plus the gathered bf16 copies of the blocks being computed. DDP holds all 16 bytes on every GPU (its
 gradients are views into the all-reduce buckets, gradient_as_bucket_view=True, so no second copy of them), plus the
 bf16 copy of each weight that autocast caches during a step. Without GPUs both run as gloo processes on the CPU,
-for trying the script.
+for trying the script. Refused: what DDP has no counterpart for (parallel.cpu_offload, memory.limit_gib), and
+float16 compute, which the trainer trains with a loss scaler that this benchmark does not run.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_trainer import distributed, train
-from fsdp_trainer.config import mesh_shape, parse_args, resolve_param_dtype
-from fsdp_trainer.data import build_dataloader, build_dataset, samples_per_step
+from fsdp_trainer.config import ConfigError, mesh_shape, parse_args, resolve_param_dtype, validate
+from fsdp_trainer.data import build_dataloader, build_dataset, samples_per_step, stop_workers
 from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler
 from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile
@@ -50,8 +51,11 @@ def prepare(mode: str, cfg, info: distributed.DistInfo):
     if cfg.parallel.compile:
         apply_compile(model, blocks)
     model.init_weights(cfg.train.seed)
+    # broadcast_buffers=False: its one buffer, RoPE's table, is computed alike on every rank, and FSDP2 sends none;
+    # broadcast before every forward, it would add a collective to DDP's side only. The old name on purpose: torch
+    # 2.11 has no forward_sync_buffers, and 2.13 only warns that it renamed the flag.
     model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                    gradient_as_bucket_view=True)
+                                    gradient_as_bucket_view=True, broadcast_buffers=False)
     # The training step's switch for parallel.defer_grad_sync, as FSDP2 names it; DDP's no_sync() flips this flag.
     model.set_requires_gradient_sync = lambda sync: setattr(model, "require_backward_grad_sync", sync)
     dtype = DTYPES[resolve_param_dtype(cfg.parallel.param_dtype, device.type)]
@@ -87,10 +91,12 @@ def worker(mode: str, config: str, steps: int, warmup: int, overrides: list[str]
     if info.is_main:
         emit({"mode": mode, "tokens_per_s_per_gpu": tps, "tflops_per_gpu": tps * args.flops_per_token(t.seq_len) / 1e12,
               "loss": loss, **({"peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30} if cuda else {})})
-    del model  # DDP's reducer before its process group: freed after it, it can hang the exit
     torch.distributed.barrier()  # every rank is past its last collective
     # Not Python's exit: tearing down torch's threads and process groups there aborted a worker once after its
-    # result was out ("terminate called without an active exception", SIGABRT, on two CPU ranks).
+    # result was out ("terminate called without an active exception", SIGABRT, on two CPU ranks). os._exit skips
+    # the exit handler that stops the loader's workers too: they ignore SIGTERM, and would outlive this rank by
+    # seconds, holding the output pipes the launcher reads to their end.
+    stop_workers(batches)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -109,8 +115,24 @@ def main() -> None:
         parser.error("--steps must be more than --warmup")
     if args.worker:
         return worker(args.worker, args.config, args.steps, args.warmup, args.extra)
-    if parse_args(["--config", args.config, *args.extra]).memory.limit_gib is not None:
-        parser.error("--memory.limit_gib is not applied here: both sides run with the whole GPU")
+    cfg = parse_args(["--config", args.config, *args.extra])
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        validate(cfg, args.nproc, device_type)  # the trainer's own checks, before any rank starts
+    except ConfigError as err:
+        parser.error(str(err))
+    param_dtype = cfg.parallel.param_dtype
+    unsupported = {
+        "memory.limit_gib is not applied here: both sides run with the whole GPU": cfg.memory.limit_gib is not None,
+        "parallel.cpu_offload has no DDP counterpart (DDP keeps all its state on the GPU): remove it":
+            cfg.parallel.cpu_offload,
+        f"parallel.param_dtype={param_dtype} computes in float16 here, which the trainer trains with a loss scaler "
+        "and this benchmark does not: set --parallel.param_dtype float32 (or bfloat16 on a GPU that has it)":
+            resolve_param_dtype(param_dtype, device_type) == "float16",
+    }
+    for message, is_set in unsupported.items():
+        if is_set:
+            parser.error(message)
 
     rows = []
     for mode in ("fsdp", "ddp"):

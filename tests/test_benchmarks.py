@@ -361,6 +361,63 @@ def test_fsdp_and_ddp_train_alike_on_two_cpu_ranks(tmp_path):
     assert fsdp["loss"] == pytest.approx(ddp["loss"], rel=1e-4)  # same weights, data, AC and arithmetic
 
 
+def test_ddp_does_not_broadcast_its_buffers_every_forward():
+    """Its only buffer, RoPE's table, is computed alike on every rank; FSDP2 does not broadcast it either."""
+    import fsdp_vs_ddp
+
+    from fsdp_trainer import distributed
+    from fsdp_trainer.config import parse_args
+
+    info = distributed.init()  # a one-rank gloo group of this process
+    try:
+        model, _, _ = fsdp_vs_ddp.prepare("ddp", parse_args(["--config", str(ROOT / "configs/debug.toml"), *SMALL]),
+                                          info)
+    finally:
+        distributed.shutdown()
+    assert [name for name, _ in model.named_buffers()] and not model.will_sync_module_buffers()
+
+
+def test_fsdp_vs_ddp_worker_leaves_no_loader_worker_running(tmp_path):
+    """A loader worker ignores SIGTERM and notices only within 5 s that its rank is gone: left running, it holds the
+    output pipes that the launcher (runs.run) reads to their end, delaying each run by as much. Here the ranks write
+    to a file, so torchrun returns as they exit, and whatever they left is still there to find."""
+    from runs import torchrun
+
+    marker = f"FSDP_VS_DDP_TEST={tmp_path}".encode()  # in the environment of every process of this run
+    with (tmp_path / "log").open("w") as log:
+        proc = subprocess.run([*torchrun(2), "benchmarks/fsdp_vs_ddp.py", "--worker", "fsdp", "--config",
+                               "configs/debug.toml", "--steps", "2", "--warmup", "1", "--", *SMALL,
+                               "--data.num_workers", "2"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              timeout=120, env={**os.environ, "FSDP_VS_DDP_TEST": str(tmp_path)})
+    assert proc.returncode == 0, (tmp_path / "log").read_text()[-3000:]
+    left = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker in environ.read_bytes().split(b"\0"):
+                left.append((environ.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:  # ended meanwhile, or another user's
+            pass
+    assert left == []
+
+
+@pytest.mark.parametrize("flags,bf16,error", [
+    (["--train.micro_batch_size", "0"], True, "train.micro_batch_size=0: must be at least 1"),  # the trainer's
+    (["--parallel.cpu_offload"], True, "parallel.cpu_offload"),
+    ([], False, "parallel.param_dtype=auto computes in float16"),  # a GPU without bfloat16
+])
+def test_fsdp_vs_ddp_refuses_a_config_before_any_run(flags, bf16, error, monkeypatch, capsys):
+    """As on a GPU: on the CPU the trainer's own checks refuse float16 and CPU offload first."""
+    import fsdp_vs_ddp
+
+    monkeypatch.setattr(fsdp_vs_ddp, "run", lambda cmd: pytest.fail("launched a run"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation: bf16)
+    monkeypatch.setattr(sys, "argv", ["fsdp_vs_ddp.py", "--config", str(ROOT / "configs/debug.toml"), "--", *flags])
+    with pytest.raises(SystemExit) as exit_:
+        fsdp_vs_ddp.main()
+    assert exit_.value.code == 2 and f"error: {error}" in capsys.readouterr().err
+
+
 def test_fsdp_vs_ddp_counts_a_worker_that_failed_after_reporting_as_failed(monkeypatch, tmp_path):
     import fsdp_vs_ddp
     import results
@@ -408,8 +465,8 @@ SAVED_LOG = ("[rank0] 14:00:00 checkpoint step 3 (none): training blocked 0.20 s
              "[rank0] 14:00:01 checkpoint /c/step_3 complete: 0.012 GB in 0.20 s (0.06 GB/s; training blocked "
              "0.20 s)\n")
 LOADED_LOG = "[rank0] 14:00:02 loaded /c/step_3: 0.012 GB in 0.10 s (0.12 GB/s)\n"
-CHECKED_LOG = ("[rank0] 14:00:02 checked /c/step_3: 3 files (0.012 GB) match their checksums (3 checked by this "
-               "process in 0.05 s)\n")
+CHECKED_LOG = ("[rank0] 14:00:02 checked /c/step_3: 3 files (0.012 GB) match their checksums (.metadata and 2 data "
+               "files checked by this process in 0.05 s)\n")
 
 
 @pytest.mark.parametrize("saved,resumed,error", [
