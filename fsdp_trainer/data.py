@@ -627,14 +627,23 @@ def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = N
         raise ValueError(f"{out} already holds shards, which a reader would mix with the new ones; "
                          "prepare into an empty folder")
     writer = _ShardWriter(out, encoder.vocab_size, encoder.name, encoder.eos, shard_tokens, log)
-    for path in files:
-        for doc in _documents(path):
-            try:
-                tokens = encoder.encode(doc)
-            except UnicodeDecodeError as err:  # a tokenizer's text must be UTF-8: Latin-1 would train on U+FFFD
-                raise ValueError(f"{path}: not UTF-8 text ({err}); re-encode it as UTF-8 (iconv -t UTF-8)") from None
-            if len(tokens):  # an empty document would only add a second end-of-document token
-                writer.add(tokens)
+    try:
+        for path in files:
+            for doc in _documents(path):
+                try:
+                    tokens = encoder.encode(doc)
+                except UnicodeDecodeError as err:  # a tokenizer's text must be UTF-8: Latin-1 would train on U+FFFD
+                    raise ValueError(f"{path}: not UTF-8 text ({err}); re-encode it as UTF-8 (iconv -t UTF-8)") \
+                        from None
+                if len(tokens):  # an empty document would only add a second end-of-document token
+                    writer.add(tokens)
+    except ValueError as err:
+        # The folder held no shards: what this call wrote goes, so that the same command works once the input is
+        # fixed, rather than finding the folder taken.
+        for shard, _ in writer.written:
+            shard.with_suffix(".json").unlink()
+            shard.unlink()
+        raise ValueError(f"{err} (no shards written)") from None
     written = writer.close()
     if not written:
         raise ValueError(f"no text in {', '.join(inputs)}: every document is empty")

@@ -360,7 +360,9 @@ class Doctor:
         # torchrun numbers ranks node by node: rank // local is the node.
         self.local = int(os.environ.get("LOCAL_WORLD_SIZE", self.n))
         self.ring_strides = {"send_recv_ring": 1}
-        if self.n > self.local and self.n % self.local == 0:
+        # One rank per node: the first ring already crosses between nodes on every link (and the two would share
+        # their store keys).
+        if 1 < self.local < self.n and self.n % self.local == 0:
             self.ring_strides["send_recv_nodes"] = self.local
         self._environment()
         checks = [("all_reduce", self._all_reduce), ("all_gather", self._all_gather),

@@ -73,7 +73,7 @@ def build_model(cfg: Config, mesh, device: torch.device, model_fn: Optional[Mode
         vocab_size = model_args_from_config(cfg.model).vocab_size  # the data's ids are checked against it
         check_own_model(model, blocks, cfg, vocab_size)  # before sharding and materializing it
         if not cfg.train.loss_chunk_tokens:  # else forward returns the loss
-            model.register_forward_hook(logits_check(vocab_size))
+            check_logits_once(model, vocab_size)
     apply_ac(model, blocks, cfg.ac.mode, cfg.ac.every)
     if cfg.parallel.compile:
         apply_compile(model, blocks)
@@ -286,10 +286,11 @@ def check_own_model(model: nn.Module, blocks: Sequence[type], cfg: Config, vocab
                           "--train.loss_chunk_tokens 0") from None
 
 
-def logits_check(vocab_size: int):
-    """A forward hook for a team's own model: the loss takes one tensor of logits, (batch, seq_len, at least
-    vocab_size) for tokens of shape (batch, seq_len); anything else is named at the first forward, before the loss
-    fails on it obscurely. Shapes only: no sync."""
+def check_logits_once(model: nn.Module, vocab_size: int) -> None:
+    """Check the first forward of a team's own model: the loss takes one tensor of logits, (batch, seq_len, at least
+    vocab_size) for tokens of shape (batch, seq_len); anything else is named there, before the loss fails on it
+    obscurely. Shapes only: no sync. Once: every step's shapes are the same, and the model trained is the user's
+    after it, for generation, say, whose forward may return more."""
     def check(module: nn.Module, inputs: tuple, logits) -> None:
         tokens = inputs[0]
         if (not isinstance(logits, torch.Tensor) or logits.shape[:-1] != tokens.shape
@@ -298,7 +299,9 @@ def logits_check(vocab_size: int):
                             "the trainer needs the logits alone, one tensor of shape (batch, seq_len, vocab_size) "
                             f"with vocab_size at least model.vocab_size={vocab_size}, which the data's ids are "
                             "checked against")
-    return check
+        handle.remove()
+
+    handle = model.register_forward_hook(check)
 
 
 @contextlib.contextmanager
@@ -394,11 +397,11 @@ def main(argv=None, model_fn: Optional[ModelFn] = None) -> None:
         run(cfg, info, memory_plan, signals, dataset, model_fn)
     except BaseException as err:
         distributed.shutdown(abort=not (isinstance(err, SystemExit) and not err.code))  # exit 0: a clean stop
+        if isinstance(err, DataError):  # raised by the ranks that read the bad data only (a ConfigError too)
+            exit_with_error(f"[rank {info.rank}] {err}", show=True)
         # Raised alike on every rank (a team's model checked once built, say): one message will do.
         if isinstance(err, (CheckpointError, ConfigError, NonFiniteError)):
             exit_with_error(str(err), show=info.is_main)
-        if isinstance(err, DataError):  # raised by the ranks that read the bad data only
-            exit_with_error(f"[rank {info.rank}] {err}", show=True)
         raise
     else:
         distributed.shutdown()

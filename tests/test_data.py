@@ -114,6 +114,13 @@ def test_prepare_refuses_bad_inputs(tmp_path):
     (tmp_path / "e2.jsonl").write_text('{"text": ""}\n')
     with pytest.raises(ValueError, match="every document is empty"):
         prepare([str(tmp_path / "e1.txt"), str(tmp_path / "e2.jsonl")], str(tmp_path / "o7"))
+    # Bad input after shards were written: they go, and the same command works once the input is fixed.
+    (tmp_path / "big.txt").write_text("y" * 100)
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: .*\(no shards written\)"):
+        prepare([str(tmp_path / "big.txt"), str(tmp_path / "bad.jsonl")], str(tmp_path / "o8"), shard_tokens=10,
+                log=lambda _: None)
+    assert not any((tmp_path / "o8").iterdir())
+    prepare([str(tmp_path / "big.txt")], str(tmp_path / "o8"), shard_tokens=10, log=lambda _: None)
 
 
 def test_prepare_without_tokenizers_package(tmp_path, monkeypatch):

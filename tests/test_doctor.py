@@ -358,15 +358,15 @@ def test_a_dead_link_is_named_alone_not_with_the_links_that_wait_on_it(nproc, ra
     assert (said in failed["error"]) if untried else ("untried" not in failed["error"]), failed["error"]
 
 
-def two_node_doctor(fault: str = "") -> dict:
-    """The doctor on two "nodes" of two ranks on this host (two torchrun agents meeting in a c10d rendezvous, as on
-    two machines): rank 0's JSON report."""
+def two_node_doctor(fault: str = "", per_node: int = 2) -> dict:
+    """The doctor on two "nodes" of `per_node` ranks on this host (two torchrun agents meeting in a c10d rendezvous,
+    as on two machines): rank 0's JSON report."""
     from helpers import free_port
     env = {k: v for k, v in checkout_env().items() if k != FAULT_VAR}
     if fault:
         env[FAULT_VAR] = fault
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=doctor-{port}", "--local-addr=127.0.0.1",
            "-m", "fsdp_trainer.doctor", "--json", "--deadline-s", "5", "--sizes", "0"]
     agents = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -375,6 +375,16 @@ def two_node_doctor(fault: str = "") -> dict:
     reports = [json.loads(out) for out, _ in outputs if out.strip()]
     assert len(reports) == 1, [err[-2000:] for _, err in outputs]
     return reports[0]
+
+
+@pytest.mark.slow
+def test_one_rank_per_node_needs_no_second_ring_and_names_the_dead_link():
+    """With one rank a node, the ring crosses between nodes on every link: no second ring to run (it would share the
+    first one's store keys and run the same links again)."""
+    healthy = two_node_doctor(per_node=1)
+    assert healthy["ok"] and [c["name"] for c in healthy["checks"]] == CHECKS
+    check = two_node_doctor("drop:rank=1", per_node=1)["checks"][-1]
+    assert check["name"] == "send_recv_ring" and check["timed_out"] and check["links"] == [[1, 0]], check
 
 
 @pytest.mark.slow

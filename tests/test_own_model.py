@@ -136,7 +136,7 @@ def one_step(model):
     """train_step on one process, the model unsharded and checked as the trainer checks a team's model, on a batch
     of 2 x 32 tokens."""
     cfg = tiny_config()
-    model.register_forward_hook(train.logits_check(cfg.model.vocab_size))
+    train.check_logits_once(model, cfg.model.vocab_size)
     optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
     tokens = torch.randint(0, 320, (2, 33), generator=torch.Generator().manual_seed(0))
     batches = iter([(tokens[:, :-1], tokens[:, 1:])])
@@ -178,6 +178,18 @@ def test_the_trainer_checks_the_logits_of_a_teams_model(tmp_path):
     cfg = tiny_config(train={"output_dir": str(tmp_path)})
     with pytest.raises(AssertionError, match=r"TypeError: model\(tokens\) returned a tensor of shape \(4, 32, 300\)"):
         run_ranks(train_gpt2, 1, cfg, narrow_head_fn)
+
+
+def test_the_logits_are_checked_at_the_first_forward_only():
+    """Every step's shapes are the first one's; after training, the model is the user's, whose other uses (generation
+    with a cache, say) return more than logits."""
+    model = GPT2()
+    train.check_logits_once(model, 320)
+    tokens = torch.zeros(2, 32, dtype=torch.long)
+    model(tokens)
+    model.forward = lambda tokens: (GPT2.forward(model, tokens), None)
+    logits, cache = model(tokens)
+    assert logits.shape == (2, 32, 320) and cache is None
 
 
 def small_vocab_fn(cfg):
