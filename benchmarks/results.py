@@ -47,6 +47,9 @@ def git_revision(checkout: Path = Path(__file__).parent) -> Optional[str]:
         return subprocess.run(["git", *args], cwd=checkout, text=True, capture_output=True,
                               check=True).stdout.strip()
     try:
+        # An archive unpacked inside another checkout (on a GPU host, say) would be taken for that checkout's commit.
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != checkout.resolve().parent:
+            return None
         # Results files are tracked too, and a sweep rewrites its own after every row: they do not count.
         changed = git("status", "--porcelain", "--untracked-files=no", "--", ":/", ":(top,exclude)benchmarks/results")
         return git("rev-parse", "HEAD") + ("-modified" if changed else "")

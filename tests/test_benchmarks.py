@@ -157,6 +157,9 @@ def test_the_recorded_commit_says_when_the_code_that_ran_differs_from_it(tmp_pat
     assert len(clean) == 40
     (tmp_path / "a.py").write_text("x = 2\n")
     assert git_revision(tmp_path / "benchmarks") == clean + "-modified"
+    # A copy of the scripts unpacked inside that checkout is none of its commits.
+    (tmp_path / "unpacked" / "benchmarks").mkdir(parents=True)
+    assert git_revision(tmp_path / "unpacked" / "benchmarks") is None
 
 
 def test_error_line_is_the_childs_error_not_torchruns_summary():
