@@ -15,7 +15,8 @@
 # The trainer treats a second stop signal as "exit now", so each signal is relayed once and never
 # re-sent; a SIGTERM after a SIGUSR1 (Slurm's final kill at the time limit) is a deliberate second signal.
 #
-# RELAY_PID_DIR (set by slurm.sbatch): once the traps are set, write this script's pid to $RELAY_PID_DIR/<host name>.
+# RELAY_PID_DIR (set by slurm.sbatch): once the traps are set, write this script's pid to
+# $RELAY_PID_DIR/$(uname -n), removed on exit.
 # Exit status: torchrun's.
 set -euo pipefail
 
@@ -24,6 +25,8 @@ if [[ $# -eq 0 ]]; then
     exit 2
 fi
 
+# uname, not $HOSTNAME: bash keeps a HOSTNAME exported from the submitting host, the same on every node.
+node="$(uname -n)"
 launcher=""   # torchrun's pid, once started
 pending=()    # signals received that no training process could take yet, in order
 
@@ -65,7 +68,7 @@ deliver() {
         done
     done
     for sig in "${pending[@]}"; do
-        echo "[relay_signals ${HOSTNAME:-}] SIG$sig -> training processes ${workers[*]}" >&2
+        echo "[relay_signals $node] SIG$sig -> training processes ${workers[*]}" >&2
         kill -s "$sig" "${workers[@]}" 2>/dev/null || true
     done
     pending=()
@@ -75,15 +78,16 @@ receive() {
     pending+=("$1")
     deliver
     if [[ ${#pending[@]} -gt 0 ]]; then
-        echo "[relay_signals ${HOSTNAME:-}] SIG$1: no training process handles it yet; relaying it once they do" >&2
+        echo "[relay_signals $node] SIG$1: no training process handles it yet; relaying it once they do" >&2
     fi
 }
 # Set before torchrun starts: a signal in between would otherwise kill this script and orphan torchrun.
 trap 'receive USR1' USR1
 trap 'receive TERM' TERM
 # Only now may it be signalled: slurm.sbatch waits for the file of its own node before it sends SIGUSR1 here.
-if [[ -n "${RELAY_PID_DIR:-}" ]]; then
-    { echo "$$" > "$RELAY_PID_DIR/$HOSTNAME"; } 2>/dev/null || true
+# Removed on exit: the batch shell would otherwise signal whatever process takes this pid next.
+if [[ -n "${RELAY_PID_DIR:-}" ]] && { echo "$$" > "$RELAY_PID_DIR/$node"; } 2>/dev/null; then
+    trap 'rm -f "$RELAY_PID_DIR/$node"' EXIT
 fi
 
 # torchrun and its ranks start with SIGUSR1 ignored (a disposition that exec and fork keep): the trainer installs

@@ -1,6 +1,7 @@
 """launch/: shell syntax, the exact torchrun commands the scripts print, two torchrun "nodes" on this machine
 (through launch/multinode.sh), an elastic restart after a killed rank that resumes exactly, and the Slurm
-preemption chain (batch shell -> relay -> ranks -> checkpoint -> requeue) with stand-ins for srun/scontrol.
+preemption chain (batch shell -> relay -> ranks -> checkpoint -> requeue) with stand-ins for srun, scontrol and
+scancel.
 
 Everything runs on the CPU with gloo over loopback; every subprocess has a timeout.
 """
@@ -443,47 +444,58 @@ def test_elastic_restart_resumes_exactly(uninterrupted, tmp_path):
 
 
 # A stand-in for torchrun: one "rank" that takes 2 s to install its stop handler, as a rank importing torch does,
-# records each SIGUSR1, and exits 0 after one (3 if none comes within 20 s).
+# records each SIGUSR1 in the file argv[1], and exits 0 once any of the files argv[1:] records one, as the ranks
+# stop together when any one got the signal (3 if none comes within 20 s).
 FAKE_RANK = """
 import signal, sys, time
 time.sleep(2)
 signal.signal(signal.SIGUSR1, lambda *_: open(sys.argv[1], "a").write("USR1\\n"))
 deadline = time.monotonic() + 20
-while time.monotonic() < deadline and not open(sys.argv[1]).read():
+stopped = lambda: any(open(record).read() for record in sys.argv[1:])
+while time.monotonic() < deadline and not stopped():
     time.sleep(0.05)
 time.sleep(1)  # room for a wrongly repeated signal
-sys.exit(0 if open(sys.argv[1]).read() else 3)
+sys.exit(0 if stopped() else 3)
 """
-FAKE_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', sys.argv[1], sys.argv[2]]))"
+FAKE_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', *sys.argv[1:]]))"
 
 
 @needs_proc
 def test_a_signal_before_the_ranks_handle_it_is_relayed_once_they_do(tmp_path):
     """SIGUSR1 at once, before torchrun's ranks exist or handle it: the relay keeps it until they do, instead of
     dropping it (nothing would stop the run) or delivering it early (its default action would kill a rank)."""
-    record = tmp_path / "signals"
+    record, pids = tmp_path / "signals", tmp_path / "pids"
     record.write_text("")
+    pids.mkdir()
+    # The pid file is named by the node, not by HOSTNAME (inherited from the submitting host), and removed on exit.
+    pid_file = pids / os.uname().nodename
     proc = subprocess.Popen(["bash", str(LAUNCH / "relay_signals.sh"), sys.executable, "-c", FAKE_LAUNCHER,
-                             FAKE_RANK, str(record)], stderr=subprocess.PIPE, text=True)
+                             FAKE_RANK, str(record)], stderr=subprocess.PIPE, text=True,
+                            env=launch_env(RELAY_PID_DIR=str(pids), HOSTNAME="login01"))
     try:
-        time.sleep(0.5)
+        wait_for(lambda: pid_file.exists() and pid_file.read_text() == f"{proc.pid}\n", "pid file")
         proc.send_signal(signal.SIGUSR1)
         _, err = proc.communicate(timeout=60)
     finally:
         stop_tree(proc)
     assert proc.returncode == 0 and record.read_text() == "USR1\n", err
     assert "no training process handles it yet" in err and "SIGUSR1 -> training processes" in err, err
+    assert list(pids.iterdir()) == []
 
 
-def fake_slurm(tmp_path: Path, hostnames: str = "echo localhost", task: str = '"$@"') -> Path:
-    """Stand-ins for scontrol and srun that log their calls to the file returned. srun runs its task (or `task`) on
-    this machine after a second (creating the step), and SIGUSR1 kills it, as it kills a real srun before its step
-    runs."""
-    calls = tmp_path / "calls.log"
+def fake_slurm(tmp_path: Path, hostnames: str = "echo localhost", tasks: tuple[str, ...] = ('"$@"',)) -> Path:
+    """Stand-ins for scontrol, srun and scancel that log their calls to the file returned. srun runs its task (or
+    each of `tasks`, 0.5 s apart, as on several nodes) on this machine after a second (creating the step), and
+    SIGUSR1 kills it, as it kills a real srun before its step runs. `scancel --signal=SIG` signals those tasks, as
+    Slurm signals every task of the job's steps."""
+    calls, pids = tmp_path / "calls.log", tmp_path / "tasks"
     stand_in(tmp_path, "scontrol", f'echo "scontrol $*" >> "{calls}"\n'
              f'if [ "$1 $2" = "show hostnames" ]; then {hostnames}; fi\n')
+    start_tasks = "\nsleep 0.5\n".join(f'{task} &\necho $! >> "{pids}"' for task in tasks)
     stand_in(tmp_path, "srun", f'echo "srun $*" >> "{calls}"\nsleep 1\n'
-             f'while [[ "$1" == --* ]]; do shift; done\n{task}\n')
+             f'while [[ "$1" == --* ]]; do shift; done\n{start_tasks}\n'
+             f'rc=0\nfor pid in $(cat "{pids}"); do wait "$pid" || rc=$?; done\nexit "$rc"\n')
+    stand_in(tmp_path, "scancel", f'echo "scancel $*" >> "{calls}"\nkill -s "${{1#--signal=}}" $(cat "{pids}")\n')
     return calls
 
 
@@ -504,9 +516,16 @@ def slurm_job_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 def test_slurm_preemption_chain(tmp_path):
     """slurm.sbatch with stand-ins for srun and scontrol on one "node" of 2 ranks, DataLoader workers on:
     SIGUSR1 to the batch shell (what --signal=B:USR1@120 does) must reach every rank exactly once through
-    relay_signals.sh, leave a complete checkpoint of the last step, exit 0 and requeue the job."""
+    relay_signals.sh, leave a complete checkpoint of the last step, exit 0, requeue the job, and reset the count of
+    requeues without a newer checkpoint. A folder set aside as step_N.unusable (as the trainer's errors advise) is
+    no newer checkpoint for the requeue either, as it is none for the trainer."""
     calls = fake_slurm(tmp_path)
     out = tmp_path / "out"
+    aside = out / "checkpoints" / "step_00000999.unusable"
+    aside.mkdir(parents=True)
+    (aside / "trainer_state.json").write_text("{}")
+    counter = out / "checkpoints" / ".requeues_without_progress"
+    counter.write_text("77 2\n")
     args = [*TINY, "--data.num_workers", "1", "--train.steps", "400", "--checkpoint.interval", "0",
             "--train.output_dir", str(out)]
     proc = start(["bash", str(LAUNCH / "slurm.sbatch"), *args], slurm_job_env(tmp_path, HEAD="127.0.0.1"),
@@ -522,24 +541,36 @@ def test_slurm_preemption_chain(tmp_path):
     last = max(r["step"] for r in rows(out))
     assert last < 400 and "stopped at step" in log, log
     assert log.count("SIGUSR1: finishing the step") == 2, log  # each rank got exactly one signal
-    assert (out / "checkpoints" / f"step_{last:08d}" / "trainer_state.json").is_file()
+    saved = out / "checkpoints" / f"step_{last:08d}"
+    assert (saved / "trainer_state.json").is_file()
+    assert f"stopped cleanly with the checkpoint {saved}; requeueing job 77" in log, log
     assert "scontrol requeue 77" in calls.read_text(), calls.read_text()
+    assert "scancel" not in calls.read_text()
+    assert not counter.exists()  # the next stop without a newer checkpoint is the first in a row again
 
 
 @needs_proc
-def test_slurm_stop_during_start_up_is_not_requeued(tmp_path):
-    """A requeued job, resuming from step 2, gets SIGUSR1 during the batch script's set-up, before srun exists
-    (while scontrol expands the node list). The signal must reach the stand-in rank once it handles it; that rank
-    exits 0 with nothing new saved, as the trainer does when stopped during its start-up; and the job must not be
-    requeued: the next start-up could be stopped the same way, for ever (one longer than --time minus the warning).
+@pytest.mark.parametrize("count,requeued", [("76 3", True), ("77 3", False)], ids=["another-job", "limit"])
+def test_slurm_stop_during_start_up_is_requeued_3_times_in_a_row_at_most(tmp_path, count, requeued):
+    """A requeued job, resuming from step 100000000, gets SIGUSR1 during the batch script's set-up, before srun
+    exists (while scontrol expands the node list). The signal must reach the stand-in rank once it handles it; that
+    rank exits 0 with nothing new saved, as the trainer does when stopped during its start-up. A preemption may come
+    at any time, so the job is requeued, but only 3 times in a row without a newer checkpoint: a start-up longer than
+    --time minus the warning would be stopped each time, for ever. The count is this job's: one a job 76 left (a
+    resubmission, say) starts it afresh. The checkpoint the job started from is the trainer's newest, not a
+    step_latest link, a folder set aside as step_N.unusable, or step 99999999 (which sorts after 100000000 as text).
     """
     record, rank = tmp_path / "signals", tmp_path / "rank.py"
     record.write_text("")
     rank.write_text(FAKE_RANK)
     stand_in(tmp_path, "torchrun", f'exec "{sys.executable}" -c "{FAKE_LAUNCHER}" "$(cat "{rank}")" "{record}"\n')
-    resumed = tmp_path / "out" / "checkpoints" / "step_00000002"
-    resumed.mkdir(parents=True)
-    (resumed / "trainer_state.json").write_text("{}")
+    root = tmp_path / "out" / "checkpoints"
+    for name in ("step_99999999", "step_100000000", "step_999999999.unusable"):
+        (root / name).mkdir(parents=True)
+        (root / name / "trainer_state.json").write_text("{}")
+    (root / "step_latest").symlink_to("step_99999999")
+    counter = root / ".requeues_without_progress"
+    counter.write_text(count + "\n")
     setting_up = tmp_path / "setting-up"
     calls = fake_slurm(tmp_path, hostnames=f'touch "{setting_up}"; sleep 1; echo localhost')
     proc = start(["bash", str(LAUNCH / "slurm.sbatch"), "--train.output_dir", str(tmp_path / "out")],
@@ -552,31 +583,49 @@ def test_slurm_stop_during_start_up_is_not_requeued(tmp_path):
         stop_tree(proc)
     log = (tmp_path / "job.log").read_text()
     assert code == 0 and record.read_text() == "USR1\n", log
-    assert "not requeued" in log and "requeue" not in calls.read_text(), log
+    assert f"before saving a checkpoint newer than {root / 'step_100000000'}" in log, log
+    if requeued:
+        assert "(during start-up?): requeue 1 of at most 3 in a row without one; requeueing job 77" in log, log
+        assert "scontrol requeue 77" in calls.read_text() and counter.read_text() == "77 1\n"
+    else:
+        assert "after 3 requeues in a row that saved none: not requeued any more" in log, log
+        assert "requeue" not in calls.read_text() and counter.read_text() == "77 3\n"
 
 
-# A stand-in for relay_signals.sh: says where it is, as the real one does, records each SIGUSR1, and exits once
-# the file `done` exists.
+# A stand-in for relay_signals.sh: says where it is, as the real one does (or as `announce` says), records each
+# SIGUSR1, and exits once the file `done` exists.
 FAKE_RELAY = """
 trap 'echo USR1 >> "{record}"' USR1
-echo $$ > "$RELAY_PID_DIR/$HOSTNAME"
+{announce}
 while [ ! -e "{done}" ]; do sleep 0.05; done
 """
+ANNOUNCE = 'if [ -n "$RELAY_PID_DIR" ]; then echo $$ > "$RELAY_PID_DIR/$(uname -n)"; fi'
+
+
+def relay_job(tmp_path: Path, announce: str = ANNOUNCE, **extra: str):
+    """slurm.sbatch with FAKE_RELAY as its one task, signalled once it printed its srun command: (the job, its log,
+    the relay's record of signals, the file that ends the relay, the log of Slurm calls)."""
+    record, done, relay = tmp_path / "record", tmp_path / "done", tmp_path / "relay.sh"
+    relay.write_text(FAKE_RELAY.format(record=record, done=done, announce=announce))
+    calls = fake_slurm(tmp_path, tasks=(f'bash "{relay}"',))
+    log = tmp_path / "job.log"
+    proc = start(["bash", str(LAUNCH / "slurm.sbatch"), "--train.output_dir", str(tmp_path / "out")],
+                 slurm_job_env(tmp_path, HEAD="127.0.0.1", **extra), log)
+    try:
+        wait_for(lambda: "+ srun" in log.read_text(), "srun command")
+        proc.send_signal(signal.SIGUSR1)
+    except BaseException:
+        stop_tree(proc)
+        raise
+    return proc, log, record, done, calls
 
 
 def test_slurm_passes_one_sigusr1_to_the_relay_of_its_node(tmp_path):
     """SIGUSR1 before this node's relay is up waits for it (srun, still creating its step, would die of it), and a
     second one (the time limit's warning after a preemption's, say) is not passed on: the ranks would take it as
     "exit now", without the checkpoint."""
-    record, done, relay = tmp_path / "record", tmp_path / "done", tmp_path / "relay.sh"
-    relay.write_text(FAKE_RELAY.format(record=record, done=done))
-    fake_slurm(tmp_path, task=f'bash "{relay}"')
-    log = tmp_path / "job.log"
-    proc = start(["bash", str(LAUNCH / "slurm.sbatch"), "--train.output_dir", str(tmp_path / "out")],
-                 slurm_job_env(tmp_path, HEAD="127.0.0.1"), log)
+    proc, log, record, done, calls = relay_job(tmp_path)
     try:
-        wait_for(lambda: "+ srun" in log.read_text(), "srun command")
-        proc.send_signal(signal.SIGUSR1)
         wait_for(record.exists, "SIGUSR1 at the relay")
         proc.send_signal(signal.SIGUSR1)
         time.sleep(1)
@@ -585,4 +634,81 @@ def test_slurm_passes_one_sigusr1_to_the_relay_of_its_node(tmp_path):
     finally:
         stop_tree(proc)
     assert code == 0 and record.read_text() == "USR1\n", log.read_text()
-    assert "SIGUSR1 again" in log.read_text()
+    assert "SIGUSR1 again" in log.read_text() and "scancel" not in calls.read_text()
+
+
+@pytest.mark.parametrize("announce,mktemp_fails,tmpdir,through_scancel", [
+    ("true", False, None, True),
+    ('echo 999999999 > "$RELAY_PID_DIR/$(uname -n)"', False, None, True),
+    (ANNOUNCE, True, None, True),
+    (ANNOUNCE, False, "missing", False),
+], ids=["no-pid-file", "pid-it-cannot-signal", "no-temporary-folder", "TMPDIR-missing"])
+def test_slurm_stop_goes_through_scancel_when_this_nodes_relay_cannot_be_signalled(tmp_path, announce, mktemp_fails,
+                                                                                   tmpdir, through_scancel):
+    """The relay's pid file may never come (a step with its own /tmp or TMPDIR, sbatch --export=NONE), or name a
+    pid that cannot be signalled (a pid namespace): 10 s into srun the stop goes once to every task of the job
+    through `scancel --signal=USR1 <job>` instead of being lost. A TMPDIR that does not exist on the node does not
+    fail the job: the pid folder goes to /tmp; and where no folder can be made at all, the stop takes scancel."""
+    if mktemp_fails:
+        stand_in(tmp_path, "mktemp", "exit 1\n")
+    extra = {"TMPDIR": str(tmp_path / tmpdir)} if tmpdir else {}
+    proc, log, record, done, calls = relay_job(tmp_path, announce, **extra)
+    try:
+        wait_for(record.exists, "SIGUSR1 at the relay")
+        done.touch()
+        code = proc.wait(timeout=30)
+    finally:
+        stop_tree(proc)
+    text = log.read_text()
+    assert code == 0 and record.read_text() == "USR1\n", text
+    assert ("scancel --signal=USR1 77" in calls.read_text()) == through_scancel, calls.read_text()
+    assert ("no relay of this node to signal after 10 s" in text) == through_scancel, text
+    assert ("cannot create a folder" in text) == mktemp_fails, text
+
+
+def test_slurm_without_its_checkpoint_folder_does_not_requeue(tmp_path):
+    """PYTHON finds the checkpoint folder; where it cannot (fsdp_trainer missing, say), the job says why, in
+    python's last line with words, and a clean stop is not requeued: nothing would tell a start-up stopped for ever
+    from progress."""
+    stand_in(tmp_path, "broken-python", 'echo "a warning" >&2\n'
+             'echo "ModuleNotFoundError: No module named \'fsdp_trainer\'" >&2\necho "╰──╯" >&2\nexit 1\n')
+    proc, log, record, done, calls = relay_job(tmp_path, PYTHON="broken-python")
+    try:
+        wait_for(record.exists, "SIGUSR1 at the relay")
+        done.touch()
+        code = proc.wait(timeout=30)
+    finally:
+        stop_tree(proc)
+    text, why = log.read_text(), "(ModuleNotFoundError: No module named 'fsdp_trainer')"
+    assert code == 0 and f"broken-python could not find the checkpoint folder from these arguments {why}" in text
+    assert f"stopped cleanly, but the checkpoint folder could not be found {why}: not requeued" in text, text
+    assert "requeue" not in calls.read_text()
+
+
+@needs_proc
+def test_slurm_signals_the_relay_of_its_own_node_when_hostname_is_inherited(tmp_path):
+    """Two "nodes" (the second with a stand-in uname) share one pid folder, as on a shared /tmp, and both have the
+    HOSTNAME of the submitting host (bash keeps an exported one): each real relay_signals.sh writes its pid under
+    its own node's name, and the batch shell signals its own node's relay, not the other's (on a real cluster, a
+    pid of this node that is some other process). The ranks stop together once one got the signal."""
+    here, there, rank = tmp_path / "record.here", tmp_path / "record.there", tmp_path / "rank.py"
+    here.write_text("")
+    there.write_text("")
+    rank.write_text(FAKE_RANK)
+    stand_in(tmp_path, "torchrun", f'mine="{here}"; if [ "$(uname -n)" = other-node ]; then mine="{there}"; fi\n'
+             f'exec "{sys.executable}" -c "{FAKE_LAUNCHER}" "$(cat "{rank}")" "$mine" "{here}" "{there}"\n')
+    (tmp_path / "other").mkdir()
+    stand_in(tmp_path / "other", "uname", "echo other-node\n")
+    calls = fake_slurm(tmp_path, tasks=('"$@"', f'PATH="{tmp_path}/other/bin:$PATH" "$@"'))
+    tasks, log = tmp_path / "tasks", tmp_path / "job.log"
+    proc = start(["bash", str(LAUNCH / "slurm.sbatch"), "--train.output_dir", str(tmp_path / "out")],
+                 slurm_job_env(tmp_path, HOSTNAME="login01"), log)
+    try:
+        wait_for(lambda: tasks.exists() and len(tasks.read_text().split()) == 2, "both relays")
+        time.sleep(0.5)  # for the second relay to write its pid
+        proc.send_signal(signal.SIGUSR1)
+        code = proc.wait(timeout=60)
+    finally:
+        stop_tree(proc)
+    assert code == 0 and here.read_text() == "USR1\n" and there.read_text() == "", log.read_text()
+    assert "scancel" not in calls.read_text()
