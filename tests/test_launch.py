@@ -620,19 +620,26 @@ def relay_job(tmp_path: Path, announce: str = ANNOUNCE, **extra: str):
     return proc, log, record, done, calls
 
 
+def end_relay_job(proc: subprocess.Popen, record: Path, done: Path, signal_again: bool = False) -> int:
+    """Once relay_job's relay has its SIGUSR1 (and, with `signal_again`, the job another a second later), end the
+    relay; the job's exit status."""
+    try:
+        wait_for(record.exists, "SIGUSR1 at the relay")
+        if signal_again:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+        done.touch()
+        return proc.wait(timeout=30)
+    finally:
+        stop_tree(proc)
+
+
 def test_slurm_passes_one_sigusr1_to_the_relay_of_its_node(tmp_path):
     """SIGUSR1 before this node's relay is up waits for it (srun, still creating its step, would die of it), and a
     second one (the time limit's warning after a preemption's, say) is not passed on: the ranks would take it as
     "exit now", without the checkpoint."""
     proc, log, record, done, calls = relay_job(tmp_path)
-    try:
-        wait_for(record.exists, "SIGUSR1 at the relay")
-        proc.send_signal(signal.SIGUSR1)
-        time.sleep(1)
-        done.touch()
-        code = proc.wait(timeout=30)
-    finally:
-        stop_tree(proc)
+    code = end_relay_job(proc, record, done, signal_again=True)
     assert code == 0 and record.read_text() == "USR1\n", log.read_text()
     assert "SIGUSR1 again" in log.read_text() and "scancel" not in calls.read_text()
 
@@ -653,12 +660,7 @@ def test_slurm_stop_goes_through_scancel_when_this_nodes_relay_cannot_be_signall
         stand_in(tmp_path, "mktemp", "exit 1\n")
     extra = {"TMPDIR": str(tmp_path / tmpdir)} if tmpdir else {}
     proc, log, record, done, calls = relay_job(tmp_path, announce, **extra)
-    try:
-        wait_for(record.exists, "SIGUSR1 at the relay")
-        done.touch()
-        code = proc.wait(timeout=30)
-    finally:
-        stop_tree(proc)
+    code = end_relay_job(proc, record, done)
     text = log.read_text()
     assert code == 0 and record.read_text() == "USR1\n", text
     assert ("scancel --signal=USR1 77" in calls.read_text()) == through_scancel, calls.read_text()
@@ -673,12 +675,7 @@ def test_slurm_without_its_checkpoint_folder_does_not_requeue(tmp_path):
     stand_in(tmp_path, "broken-python", 'echo "a warning" >&2\n'
              'echo "ModuleNotFoundError: No module named \'fsdp_trainer\'" >&2\necho "╰──╯" >&2\nexit 1\n')
     proc, log, record, done, calls = relay_job(tmp_path, PYTHON="broken-python")
-    try:
-        wait_for(record.exists, "SIGUSR1 at the relay")
-        done.touch()
-        code = proc.wait(timeout=30)
-    finally:
-        stop_tree(proc)
+    code = end_relay_job(proc, record, done)
     text, why = log.read_text(), "(ModuleNotFoundError: No module named 'fsdp_trainer')"
     assert code == 0 and f"broken-python could not find the checkpoint folder from these arguments {why}" in text
     assert f"stopped cleanly, but the checkpoint folder could not be found {why}: not requeued" in text, text
