@@ -183,10 +183,14 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _is_complete(path: Path) -> bool:
+    """Whether `path` is a committed and usable checkpoint."""
+    return incomplete_reason(path) is None and unusable_reason(path) is None
+
+
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """The committed and usable checkpoints under root, oldest first."""
-    return [(step, path) for step, path in list_checkpoints(root)
-            if incomplete_reason(path) is None and unusable_reason(path) is None]
+    return [(step, path) for step, path in list_checkpoints(root) if _is_complete(path)]
 
 
 def committed_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -232,7 +236,7 @@ def ways_past(path: Path) -> str:
     match = _STEP_DIR.match(path.name)
     older = [p for step, p in list_checkpoints(path.parent) if match is None or step < int(match.group(1))]
     # Newest first, reading markers only until one is usable: resume computes this before it knows of any problem.
-    previous = next((p for p in reversed(older) if incomplete_reason(p) is None and unusable_reason(p) is None), None)
+    previous = next((p for p in reversed(older) if _is_complete(p)), None)
     aside = f"rename it (mv {path} {path}.unusable: resume and retention see only folders named step_<number>)"
     if previous is None:
         return f"{aside}, and --checkpoint.resume auto starts fresh: there is no earlier complete checkpoint"
