@@ -12,8 +12,9 @@
 #     SIGKILLs whatever is left after 30 s and exits 1, so a save that takes longer is lost.
 # So this script signals only the training processes (torchrun's direct children, one per local rank) with
 # kill(2), not killpg(2): the trainer finishes its step, saves, exits 0, and torchrun then exits 0 on its own.
-# The trainer treats a second stop signal as "exit now", so each signal is relayed once and never
-# re-sent; a SIGTERM after a SIGUSR1 (Slurm's final kill at the time limit) is a deliberate second signal.
+# The trainer treats a second stop signal as "exit now", so each signal is relayed once and never re-sent, and
+# only the first SIGUSR1 is relayed at all: slurm.sbatch may send it again through scancel, for a step that had
+# no task yet. A SIGTERM after a SIGUSR1 (Slurm's final kill at the time limit) is a deliberate second signal.
 #
 # RELAY_PID_DIR (set by slurm.sbatch): once the traps are set, write this script's pid to
 # $RELAY_PID_DIR/$(uname -n), removed on exit.
@@ -29,6 +30,7 @@ fi
 node="$(uname -n)"
 launcher=""   # torchrun's pid, once started
 pending=()    # signals received that no training process could take yet, in order
+usr1=""       # set once a SIGUSR1 came
 
 # The launcher's direct children, read from /proc (procps' pgrep is missing from many container images).
 # shellcheck disable=SC2317  # reached through deliver(), from the traps below
@@ -75,6 +77,13 @@ deliver() {
 }
 # shellcheck disable=SC2317,SC2329  # run by the traps below
 receive() {
+    if [[ "$1" == USR1 ]]; then
+        if [[ -n "$usr1" ]]; then
+            echo "[relay_signals $node] SIGUSR1 again: not relayed (the ranks would take it as \"exit now\")" >&2
+            return 0
+        fi
+        usr1=1
+    fi
     pending+=("$1")
     deliver
     if [[ ${#pending[@]} -gt 0 ]]; then

@@ -463,7 +463,8 @@ FAKE_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.call([sys.executabl
 @needs_proc
 def test_a_signal_before_the_ranks_handle_it_is_relayed_once_they_do(tmp_path):
     """SIGUSR1 at once, before torchrun's ranks exist or handle it: the relay keeps it until they do, instead of
-    dropping it (nothing would stop the run) or delivering it early (its default action would kill a rank)."""
+    dropping it (nothing would stop the run) or delivering it early (its default action would kill a rank). A second
+    SIGUSR1 (slurm.sbatch's scancel again) is not relayed: the ranks would take it as "exit now"."""
     record, pids = tmp_path / "signals", tmp_path / "pids"
     record.write_text("")
     pids.mkdir()
@@ -475,27 +476,32 @@ def test_a_signal_before_the_ranks_handle_it_is_relayed_once_they_do(tmp_path):
     try:
         wait_for(lambda: pid_file.exists() and pid_file.read_text() == f"{proc.pid}\n", "pid file")
         proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGUSR1)
         _, err = proc.communicate(timeout=60)
     finally:
         stop_tree(proc)
     assert proc.returncode == 0 and record.read_text() == "USR1\n", err
     assert "no training process handles it yet" in err and "SIGUSR1 -> training processes" in err, err
+    assert "SIGUSR1 again: not relayed" in err, err
     assert list(pids.iterdir()) == []
 
 
-def fake_slurm(tmp_path: Path, hostnames: str = "echo localhost", tasks: tuple[str, ...] = ('"$@"',)) -> Path:
+def fake_slurm(tmp_path: Path, hostnames: str = "echo localhost", tasks: tuple[str, ...] = ('"$@"',),
+               step_seconds: float = 1) -> Path:
     """Stand-ins for scontrol, srun and scancel that log their calls to the file returned. srun runs its task (or
-    each of `tasks`, 0.5 s apart, as on several nodes) on this machine after a second (creating the step), and
-    SIGUSR1 kills it, as it kills a real srun before its step runs. `scancel --signal=SIG` signals those tasks, as
-    Slurm signals every task of the job's steps."""
+    each of `tasks`, 0.5 s apart, as on several nodes) on this machine after `step_seconds` (creating the step),
+    and SIGUSR1 kills it, as it kills a real srun before its step runs. `scancel --signal=SIG` signals the tasks
+    started so far, as Slurm signals every task of the job's steps (none before the step has any)."""
     calls, pids = tmp_path / "calls.log", tmp_path / "tasks"
     stand_in(tmp_path, "scontrol", f'echo "scontrol $*" >> "{calls}"\n'
              f'if [ "$1 $2" = "show hostnames" ]; then {hostnames}; fi\n')
     start_tasks = "\nsleep 0.5\n".join(f'{task} &\necho $! >> "{pids}"' for task in tasks)
-    stand_in(tmp_path, "srun", f'echo "srun $*" >> "{calls}"\nsleep 1\n'
+    stand_in(tmp_path, "srun", f'echo "srun $*" >> "{calls}"\nsleep {step_seconds}\n'
              f'while [[ "$1" == --* ]]; do shift; done\n{start_tasks}\n'
              f'rc=0\nfor pid in $(cat "{pids}"); do wait "$pid" || rc=$?; done\nexit "$rc"\n')
-    stand_in(tmp_path, "scancel", f'echo "scancel $*" >> "{calls}"\nkill -s "${{1#--signal=}}" $(cat "{pids}")\n')
+    stand_in(tmp_path, "scancel", f'echo "scancel $*" >> "{calls}"\n'
+             f'if [ -s "{pids}" ]; then kill -s "${{1#--signal=}}" $(cat "{pids}"); fi\n')
     return calls
 
 
@@ -602,12 +608,13 @@ while [ ! -e "{done}" ]; do sleep 0.05; done
 ANNOUNCE = 'if [ -n "$RELAY_PID_DIR" ]; then echo $$ > "$RELAY_PID_DIR/$(uname -n)"; fi'
 
 
-def relay_job(tmp_path: Path, announce: str = ANNOUNCE, **extra: str):
-    """slurm.sbatch with FAKE_RELAY as its one task, signalled once it printed its srun command: (the job, its log,
-    the relay's record of signals, the file that ends the relay, the log of Slurm calls)."""
+def relay_job(tmp_path: Path, announce: str = ANNOUNCE, step_seconds: float = 1, **extra: str):
+    """slurm.sbatch with FAKE_RELAY as its one task (started `step_seconds` into srun), signalled once it printed its
+    srun command: (the job, its log, the relay's record of signals, the file that ends the relay, the log of Slurm
+    calls)."""
     record, done, relay = tmp_path / "record", tmp_path / "done", tmp_path / "relay.sh"
     relay.write_text(FAKE_RELAY.format(record=record, done=done, announce=announce))
-    calls = fake_slurm(tmp_path, tasks=(f'bash "{relay}"',))
+    calls = fake_slurm(tmp_path, tasks=(f'bash "{relay}"',), step_seconds=step_seconds)
     log = tmp_path / "job.log"
     proc = start(["bash", str(LAUNCH / "slurm.sbatch"), "--train.output_dir", str(tmp_path / "out")],
                  slurm_job_env(tmp_path, HEAD="127.0.0.1", **extra), log)
@@ -620,11 +627,12 @@ def relay_job(tmp_path: Path, announce: str = ANNOUNCE, **extra: str):
     return proc, log, record, done, calls
 
 
-def end_relay_job(proc: subprocess.Popen, record: Path, done: Path, signal_again: bool = False) -> int:
+def end_relay_job(proc: subprocess.Popen, record: Path, done: Path, signal_again: bool = False,
+                  timeout: float = 30) -> int:
     """Once relay_job's relay has its SIGUSR1 (and, with `signal_again`, the job another a second later), end the
     relay; the job's exit status."""
     try:
-        wait_for(record.exists, "SIGUSR1 at the relay")
+        wait_for(record.exists, "SIGUSR1 at the relay", timeout)
         if signal_again:
             proc.send_signal(signal.SIGUSR1)
             time.sleep(1)
@@ -666,6 +674,16 @@ def test_slurm_stop_goes_through_scancel_when_this_nodes_relay_cannot_be_signall
     assert ("scancel --signal=USR1 77" in calls.read_text()) == through_scancel, calls.read_text()
     assert ("no relay of this node to signal after 10 s" in text) == through_scancel, text
     assert ("cannot create a folder" in text) == mktemp_fails, text
+
+
+def test_slurm_sends_the_stop_through_scancel_again_while_srun_creates_its_step(tmp_path):
+    """No relay of this node can be signalled, and srun takes 12 s to create its step: the first scancel, 10 s into
+    the stop's wait, finds no task to signal; the second, 10 s later, reaches the relay."""
+    proc, log, record, done, calls = relay_job(tmp_path, "true", step_seconds=12)
+    code = end_relay_job(proc, record, done, timeout=60)
+    assert code == 0 and record.read_text() == "USR1\n", log.read_text()
+    assert calls.read_text().count("scancel --signal=USR1 77") == 2, calls.read_text()
+    assert "again every 10 s up to 6 times" in log.read_text(), log.read_text()
 
 
 def test_slurm_without_its_checkpoint_folder_does_not_requeue(tmp_path):
