@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import pickle
+import re
 import sys
 import threading
 import time
@@ -374,6 +375,16 @@ def oom_phase(err: BaseException) -> str:
     if step is frames[-1]:
         return "the training step"
     return next((phase for call, phase in _STEP_CALLS.items() if call in (step.line or "")), "forward")
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def requested_bytes(err: BaseException) -> int:
+    """The size of the allocation that failed, from the caching allocator's message ("Tried to allocate 2.00 GiB");
+    0 where the message has none."""
+    found = re.search(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)", str(err))
+    return int(float(found[1]) * _UNITS[found[2]]) if found else 0
 
 
 def describe_oom(err: BaseException, rank: int, device: torch.device, planned_bytes: Optional[int],

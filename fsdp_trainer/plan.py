@@ -761,6 +761,17 @@ def check_fits(cfg: Config, world_size: int, gpu_memory_bytes: int) -> Plan:
                 int(os.environ.get("LOCAL_WORLD_SIZE", GPUS_PER_NODE)))
 
 
+def remedy_after_oom(cfg: Config, planned: Plan, short_by: int) -> Optional[Suggestion]:
+    """For the job `planned` (check_fits' plan) that ran out of memory at least `short_by` bytes short: the cheapest
+    change the planner says lowers the peak by that much, with OPTION_MARGIN to spare. Where the plan said it would
+    fit, the plan was short by as much as the run, so the change must be that much below the plan, not below the GPU;
+    where it said it would not (memory.ignore_plan), its own cheapest change that fits."""
+    if not planned.fits:
+        return planned.remedy()
+    below = dataclasses.replace(planned, capacity_bytes=planned.total_bytes - short_by)
+    return next(iter(_suggestions(_for_this_gpu(cfg), below)), None)
+
+
 def _for_this_gpu(cfg: Config) -> Config:
     """cfg with param_dtype 'auto' resolved as the trainer resolves it on this machine's GPU (float16 before
     Ampere)."""
@@ -794,6 +805,9 @@ def _knobs(cfg: Config) -> list[list[dict[str, Any]]]:
         # (validation refuses it alone), and came twice when it also cleared keep_gathered itself
         [{"parallel.reshard_after_forward": r} for r in lighter],
         [{"parallel.defer_grad_sync": False}] if p.defer_grad_sync else [],
+        # back to the defaults: the pool costs no time, nor did prefetching 2 blocks ahead gain any (benchmarks/README)
+        [{"parallel.grads_in_compute_pool": True}] if not p.grads_in_compute_pool else [],
+        [{"parallel.prefetch": 1}] if p.prefetch > 1 else [],
         [{"train.loss_chunk_tokens": LOSS_CHUNK}] if not t.loss_chunk_tokens else [],
         [{"parallel.cpu_offload": True}] if not p.cpu_offload else [],
         # HSDP (or DDP, dp_shard 1) replicates what FSDP over every GPU would shard

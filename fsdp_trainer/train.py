@@ -39,13 +39,14 @@ from fsdp_trainer.config import (Config, ConfigError, check_block_counts, check_
                                  mesh_shape, parse_args, resolve_param_dtype, to_toml, validate)
 from fsdp_trainer.data import DataError, build_dataloader, build_dataset, samples_per_step, stop_workers
 from fsdp_trainer.distributed import logger
-from fsdp_trainer.faults import NonFiniteError, NonFiniteGuard, Watchdog, describe_oom, enable_flight_recorder
+from fsdp_trainer.faults import (NonFiniteError, NonFiniteGuard, Watchdog, describe_oom, enable_flight_recorder,
+                                  requested_bytes)
 from fsdp_trainer.loss import compiled_cross_entropy, cross_entropy
 from fsdp_trainer.metrics import GiB, Metrics, PhaseTimer, environment, write_run_info
 from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm, follow_current_schedule
 from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile, apply_fsdp, blocks_of, init_weights
-from fsdp_trainer.plan import Plan, check_fits
+from fsdp_trainer.plan import Plan, check_fits, remedy_after_oom
 from fsdp_trainer.profiling import OPTIMIZER_RANGE, StepProfiler
 
 
@@ -245,7 +246,7 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
                     break
             ckpt.finish(progress)
     except torch.OutOfMemoryError as err:
-        remedy = memory_plan.remedy() if memory_plan else None
+        remedy = memory_plan and remedy_after_oom(cfg, memory_plan, requested_bytes(err))
         top = remedy.describe() if remedy else None
         snapshots = output_dir / "memory" if cfg.memory.oom_snapshot else None
         logger.error(describe_oom(err, info.rank, device, memory_plan and memory_plan.predicted_peak_bytes, top,

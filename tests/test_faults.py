@@ -337,3 +337,13 @@ def test_an_oom_names_the_part_of_the_step_it_happened_in():
         oom()
     except torch.OutOfMemoryError as err:
         assert oom_phase(err) == "the training loop"
+
+
+def test_the_failed_allocation_is_read_from_the_allocators_message():
+    from fsdp_trainer.faults import requested_bytes
+
+    message = ("CUDA out of memory. Tried to allocate {}. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB "
+               "is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use.")
+    assert requested_bytes(torch.OutOfMemoryError(message.format("2.50 GiB"))) == int(2.5 * 2**30)
+    assert requested_bytes(torch.OutOfMemoryError(message.format("896.00 MiB"))) == 896 * 2**20
+    assert requested_bytes(torch.OutOfMemoryError("CUDA out of memory")) == 0

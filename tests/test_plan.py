@@ -20,7 +20,8 @@ from fsdp_trainer.config import Config, ConfigError, parse_args, validate
 from fsdp_trainer.loss import linear_cross_entropy
 from fsdp_trainer.metrics import GiB
 from fsdp_trainer.models.llama import build, model_args_from_config
-from fsdp_trainer.plan import OPTION_MARGIN, _moments, _note, _setup, check_fits, parse_memory, plan
+from fsdp_trainer.plan import (OPTION_MARGIN, _moments, _note, _setup, check_fits, parse_memory, plan,
+                                remedy_after_oom)
 from fsdp_trainer.plan import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,6 +217,37 @@ def test_a_run_with_headroom_is_offered_the_most_blocks_kept_gathered_that_still
     assert {"parallel.keep_gathered": 32} in [s.change for s in roomy]
     assert not any("parallel.keep_gathered" in s.change
                    for s in plan(cfg_for("--parallel.reshard_after_forward", "never"), 4, BIG).suggestions)
+
+
+@pytest.mark.parametrize("setting,default", [
+    (["--parallel.no_grads_in_compute_pool"], {"parallel.grads_in_compute_pool": True}),
+    (["--parallel.prefetch", "4"], {"parallel.prefetch": 1}),
+], ids=["gradients-apart", "prefetch-4"])
+def test_the_default_that_costs_no_time_is_the_first_change_offered(setting, default):
+    """A run short of memory because it keeps the sharded gradients apart from the compute stream's memory, or
+    prefetches 4 blocks ahead: going back to the default fits at no cost in time, before any slower change."""
+    flags = ("--ac.mode", "op", "--parallel.compile")
+    usual = plan(cfg_for(*flags), 4, BIG).total_bytes
+    p = plan(cfg_for(*flags, *setting), 4, int(usual / (1 - OPTION_MARGIN)) + 1)
+    assert not p.fits and p.suggestions[0].change == default, p.render()
+    assert p.suggestions[0].total_bytes == usual and p.suggestions[0].cost == pytest.approx(0, abs=0.005)
+
+
+def test_an_out_of_memory_run_is_offered_a_change_that_lowers_the_plan_by_the_failed_allocation():
+    """Where the plan said the run fits, it fell short by as much as the run did: the remedy is the cheapest change
+    the plan puts that far below itself (its margin spare), not one that merely fits the GPU. A run started though
+    the plan said it would not fit takes the plan's cheapest change that fits."""
+    cfg = cfg_for("--ac.mode", "op", "--parallel.compile")
+    fits = plan(cfg, 4, parse_memory("72GB"))
+    assert fits.fits and fits.remedy() is None  # its listed options are faster settings that use more memory
+    for short_by in (GiB // 2, 12 * GiB):
+        remedy = remedy_after_oom(cfg, fits, short_by)
+        assert remedy.total_bytes <= (1 - OPTION_MARGIN) * (fits.total_bytes - short_by), remedy.describe()
+    # half a GiB: the chunked loss, or 8 GPUs, at the same speed; 12 GiB: only full AC and slower changes do
+    assert remedy_after_oom(cfg, fits, GiB // 2).cost == pytest.approx(0, abs=0.005)
+    assert remedy_after_oom(cfg, fits, 12 * GiB).change == {"ac.mode": "full"}
+    tight = plan(cfg, 4, parse_memory("40GB"))
+    assert remedy_after_oom(cfg, tight, GiB) is tight.suggestions[0]
 
 
 def test_a_run_that_fits_is_offered_faster_settings_that_fit_fastest_first():

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from fsdp_trainer.profiling import breakdown, category, parse_steps
+from fsdp_trainer.profiling import OPTIMIZER_RANGE, breakdown, category, parse_steps
 
 from helpers import TINY_FLAGS
 
@@ -56,16 +56,19 @@ def test_kernel_categories_and_step_ranges():
             parse_steps(bad)
 
 
-def test_profiled_run_writes_a_chrome_trace(tmp_path):
+def test_profiled_run_writes_a_chrome_trace_of_exactly_its_steps(tmp_path):
+    """Steps 2 to 4 of 5: three optimizer ranges in the trace, one a step (a window off by one step has two or four)."""
     out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--config", "configs/debug.toml", *TINY_FLAGS,
-                          "--train.steps", "4", "--profile.steps", "2:3", "--train.output_dir", str(tmp_path),
+                          "--train.steps", "5", "--profile.steps", "2:4", "--train.output_dir", str(tmp_path),
                           "--checkpoint.no_save_final"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    trace = tmp_path / "profile" / "trace_rank0_steps2-3.json"
+    trace = tmp_path / "profile" / "trace_rank0_steps2-4.json"
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("name", "").startswith("aten::mm") for e in events)
-    assert "profile of steps 2-3 written to" in out.stderr
+    ranges = [e for e in events if e.get("name") == OPTIMIZER_RANGE and e.get("cat") == "user_annotation"]
+    assert len(ranges) == 3, ranges
+    assert "profile of steps 2-4 written to" in out.stderr
 
 
 def test_a_window_cut_short_is_stopped_and_one_before_the_run_is_named(tmp_path, caplog):
