@@ -1,7 +1,8 @@
 """Train a Llama-style model with FSDP2.
 
 Runbook:
-    # CPU or one GPU, the debug model on the Python standard library's source (no download), ~1 minute:
+    # CPU (about 1.5 minutes on two cores) or one GPU, the debug model on the Python standard library's source
+    # (no download):
     python -m fsdp_trainer.train
     # one node, 8 GPUs:
     torchrun --nproc_per_node=8 -m fsdp_trainer.train --config configs/llama3_8b.toml
