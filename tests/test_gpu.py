@@ -136,6 +136,7 @@ def test_cuda_oom_names_rank_phase_and_plan(tmp_path):
     assert proc.returncode != 0
     assert "rank 0: CUDA out of memory during" in proc.stderr
     assert "the memory plan predicted" in proc.stderr and "memory snapshot" in proc.stderr
+    assert "suggestion: " in proc.stderr  # the plan said it would not fit: its cheapest change that does
 
 
 def _gradient_streams(model) -> set[int]:
