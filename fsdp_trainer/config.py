@@ -66,7 +66,8 @@ class DataConfig:
     path: Optional[str] = None
     """Folder of token shards for source=tokens (and only for it: set with another source, it is refused)."""
     seed: int = 0
-    """Seed of the sample order; the order is a pure function of (seed, global sample index)."""
+    """Seed of the data: for stdlib and tokens, of the sample order, a pure function of (seed, global sample
+    index); for synthetic, of the random tokens themselves, each sample's a pure function of the same two."""
     cache_dir: str = "~/.cache/fsdp_trainer"
     """Where the stdlib corpus is tokenized to on first use."""
     num_workers: int = 1
@@ -100,7 +101,9 @@ class TrainConfig:
     """Deterministic kernels and no autotuning, for chasing numerical differences (slower)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A step whose loss or gradient norm is not finite is never applied; stop: end the run at the next logging
-    step, naming it; skip: carry on, up to max_skipped_steps."""
+    step, naming it; skip: carry on, up to max_skipped_steps. Under float16 (parallel.param_dtype float16, or auto
+    on GPUs without bfloat16) neither applies: the loss scaler skips such steps itself and lowers its scale, and
+    the run stops at a logging step once the scale falls below 1."""
     max_skipped_steps: int = 10
     """With on_nonfinite=skip: stop once more steps than this were skipped."""
     gc_every: int = 50
@@ -239,7 +242,9 @@ class DistConfig:
     init_timeout_s: float = 600.0
     """Collective timeout until the first step has finished (start-up, compilation, first all-gathers)."""
     timeout_s: float = 120.0
-    """Collective timeout after the first step: a dead or stuck rank stops the job this quickly."""
+    """After the first step, the longest a rank may take to finish its next one (a checkpoint save or a profile's
+    writing does not count): past it, the rank's watchdog names the ranks that are behind and ends the job, so a
+    dead or stuck rank stops it this quickly. The collectives' own timeout is set 60 s later, as a backstop."""
     flight_recorder: bool = True
     """Keep NCCL's flight recorder on and dump its trace to <output_dir>/flight_recorder on a timeout."""
 

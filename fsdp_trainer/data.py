@@ -51,6 +51,9 @@ BYTE_VOCAB_SIZE = 257
 DEFAULT_SHARD_TOKENS = 100_000_000
 _PREPARE_HINT = "make shards with `python -m fsdp_trainer.data prepare <inputs...> <output_dir>`"
 _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+UNFINISHED = "PREPARE_UNFINISHED"
+"""The file prepare keeps in its output folder while it writes there. While it exists, the folder's complete shards
+may be only the first part of the data (prepare was killed, or is still running), so load_shards refuses it."""
 
 
 class DataError(ConfigError):
@@ -69,7 +72,7 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write through a uniquely named temporary file in the same folder, then rename it into place: readers and
     concurrent writers only ever see complete files, and once this returns the file and its name are on disk, so
     a file written after it (a shard's sidecar, a checkpoint's marker) never outlives it in a crash. The temporary
-    name starts with '.', so no '*.bin' glob sees it."""
+    name ends in '.tmp', so no '*.bin' or '*.json' glob sees it (its leading '.' hides it from `ls`, not from glob)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o644)  # mkstemp makes files private; shards, caches and checkpoints may be shared
@@ -81,9 +84,14 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-    folder = os.open(path.parent, os.O_RDONLY)
+    _fsync_folder(path.parent)  # the rename itself
+
+
+def _fsync_folder(path: Path) -> None:
+    """Put a folder's entries (files created, renamed or removed in it) on disk."""
+    folder = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(folder)  # the rename itself
+        os.fsync(folder)
     finally:
         os.close(folder)
 
@@ -183,16 +191,31 @@ def load_shards(path: str, where: Optional[str] = None) -> TokenStream:
     if not root.is_dir():
         problem = "is a file" if root.exists() else "does not exist"
         raise ConfigError(f"{where}: {root} {problem}; expected a folder of token shards ({_PREPARE_HINT})")
-    bins = sorted(root.glob("*.bin"), key=_numbers_in_order)
+    if (root / UNFINISHED).exists():
+        raise ConfigError(f"{where}: {root / UNFINISHED} is there: the prepare writing this folder was interrupted "
+                          "(or is still running), so its shards may hold only part of the data; remove the folder "
+                          "and run prepare again")
+    bins = sorted(_visible(root, "*.bin"), key=_numbers_in_order)
     if not bins:
         raise ConfigError(f"{where}: no token shards (<name>.bin + <name>.json) in {root}; {_PREPARE_HINT}")
     shards = [_read_sidecar(b, where) for b in bins]
-    for meta_path in sorted(set(root.glob("*.json")) - {b.with_suffix(".json") for b in bins}):
+    for meta_path in sorted(set(_visible(root, "*.json")) - {b.with_suffix(".json") for b in bins}):
         if _is_sidecar(meta_path):
             raise ConfigError(f"{where}: shard {meta_path.with_suffix('.bin').name} is missing, but its sidecar "
                               f"{meta_path.name} is there (an interrupted copy?): training would silently leave its "
                               f"tokens out; copy the folder again, or {_PREPARE_HINT}")
     return TokenStream(shards)
+
+
+def _visible(root: Path, pattern: str) -> list[Path]:
+    """The files in root matching pattern, but for hidden ones (a glob matches those too): macOS puts a '._<name>'
+    file beside every file it copies to a foreign file system, which is no shard."""
+    return [p for p in root.glob(pattern) if not p.name.startswith(".")]
+
+
+def _holds_shards(root: Path) -> bool:
+    """Whether load_shards would find a shard, or a shard's sidecar, in root."""
+    return bool(_visible(root, "*.bin")) or any(map(_is_sidecar, _visible(root, "*.json")))
 
 
 def _numbers_in_order(path: Path) -> tuple:
@@ -394,6 +417,19 @@ def samples_per_step(micro_batch_size: int, grad_accum_steps: int, dp_size: int)
     return micro_batch_size * grad_accum_steps * dp_size
 
 
+def check_enough_samples(dataset: Dataset, micro_batch_size: int, grad_accum_steps: int, dp_size: int) -> None:
+    """Raise ConfigError if one step's global batch holds more samples than an epoch of `dataset` (build_dataset's):
+    each step would then read some samples twice, where the ranks are meant to read disjoint ones."""
+    global_batch = samples_per_step(micro_batch_size, grad_accum_steps, dp_size)
+    if not isinstance(dataset, TokenWindows) or dataset.num_samples >= global_batch:
+        return  # synthetic samples never repeat
+    raise ConfigError(
+        f"{dataset.where}: holds {dataset.num_samples} samples of train.seq_len={dataset.seq_len} tokens, fewer than "
+        f"the global batch of {global_batch} (train.micro_batch_size={micro_batch_size} x train.grad_accum_steps="
+        f"{grad_accum_steps} x {dp_size} data-parallel ranks), so every step would read some samples twice; "
+        f"lower --train.micro_batch_size or --train.grad_accum_steps, use fewer ranks, or add data")
+
+
 class StepSampler(Sampler[list[int]]):
     """This rank's micro-batches of global sample indices, step after step, without end.
 
@@ -523,7 +559,11 @@ def _hf_encoder(path: str) -> _Encoder:
         raise ValueError("--tokenizer needs the optional `tokenizers` package: pip install tokenizers") from None
     if not Path(path).is_file():
         raise ValueError(f"--tokenizer {path}: no such file (expected a Hugging Face tokenizer.json)")
-    tokenizer = Tokenizer.from_file(path)
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception as err:  # the tokenizers package raises a bare Exception for a file it cannot parse
+        raise ValueError(f"--tokenizer {path}: not a Hugging Face tokenizer.json that this tokenizers package can "
+                         f"read ({err}); pass the tokenizer.json saved with the model's tokenizer") from None
     # A document's text is text: "<|endoftext|>" written in it (code, a page about tokenizers) must not become the
     # separator, or any other special token, and cut the document in two.
     tokenizer.encode_special_tokens = True
@@ -559,12 +599,15 @@ class _ShardWriter:
         if self.pending_tokens >= self.shard_tokens:
             self._flush(final=False)
 
+    def _path(self, number: int) -> Path:
+        return self.out_dir / f"shard_{number:05d}.bin"
+
     def _flush(self, final: bool) -> None:
         stream = np.concatenate(self.pending) if self.pending else np.empty(0, np.uint16)
         cut = 0
         while len(stream) - cut >= self.shard_tokens or (final and cut < len(stream)):
             chunk = stream[cut:cut + self.shard_tokens]
-            path = self.out_dir / f"shard_{len(self.written):05d}.bin"
+            path = self._path(len(self.written))
             write_shard(path, chunk, self.vocab_size, self.tokenizer)
             self.log(f"wrote {path} ({len(chunk):,} tokens)")
             self.written.append((path, len(chunk)))
@@ -576,6 +619,12 @@ class _ShardWriter:
         """Write what is left; returns every shard written, with its token count."""
         self._flush(final=True)
         return self.written
+
+    def remove(self) -> None:
+        """Delete every shard written, and the one being written when a failure stopped it, if it got that far."""
+        for number in range(len(self.written) + 1):
+            for suffix in (".json", ".bin"):  # the sidecar first: it is what stands for a shard
+                self._path(number).with_suffix(suffix).unlink(missing_ok=True)
 
 
 def _input_files(inputs: Sequence[str]) -> list[Path]:
@@ -616,16 +665,31 @@ def _documents(path: Path) -> Iterator[bytes]:
 def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = None,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, log: Callable[[str], None] = print) -> list[tuple[Path, int]]:
     """Tokenize .txt files (one document each) and .jsonl files (a "text" field per line), or folders of them, into
-    shards in output_dir; returns each shard written with its token count. Raises ValueError on bad inputs."""
+    shards in output_dir; returns each shard written with its token count. Raises ValueError on bad inputs.
+
+    The folder holds the UNFINISHED marker from before the first shard until the last is on disk, so that a prepare
+    killed midway (SIGKILL, the OOM killer, a power cut), which nothing can clean up after, leaves a folder that
+    load_shards refuses; a failure Python sees (bad input, a full disk, Ctrl-C) removes what was written, the marker
+    last, and is raised again."""
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens {shard_tokens}: must be at least 1")
     files = _input_files(inputs)
     encoder = _byte_encoder() if tokenizer is None else _hf_encoder(tokenizer)
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.glob("*.bin")) or any(out.glob("*.json")):
-        raise ValueError(f"{out} already holds shards, which a reader would mix with the new ones; "
-                         "prepare into an empty folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        reason = "a file is in the way" if isinstance(err, (FileExistsError, NotADirectoryError)) else err.strerror
+        raise ValueError(f"{out}: cannot create the output folder ({reason}); choose another output_dir") from None
+    marker = out / UNFINISHED
+    if marker.exists():
+        raise ValueError(f"{out} holds {UNFINISHED}: a prepare into it was interrupted (or is still running); "
+                         "remove the folder and run prepare again")
+    if _holds_shards(out):
+        raise ValueError(f"{out} already holds shards, which a reader would mix with the new ones; prepare into a "
+                         "folder that holds no shards yet (a new one, say)")
+    write_atomic(marker, lambda f: f.write(b"python -m fsdp_trainer.data prepare is writing this folder, or was "
+                                           b"interrupted: remove the folder and run prepare again\n"))
     writer = _ShardWriter(out, encoder.vocab_size, encoder.name, encoder.eos, shard_tokens, log)
     try:
         for path in files:
@@ -637,16 +701,20 @@ def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = N
                         from None
                 if len(tokens):  # an empty document would only add a second end-of-document token
                     writer.add(tokens)
-    except ValueError as err:
+        written = writer.close()
+        if not written:
+            raise ValueError(f"no text in {', '.join(inputs)}: every document is empty")
+    except BaseException as err:
         # The folder held no shards: what this call wrote goes, so that the same command works once the input is
         # fixed, rather than finding the folder taken.
-        for shard, _ in writer.written:
-            shard.with_suffix(".json").unlink()
-            shard.unlink()
-        raise ValueError(f"{err} (no shards written)") from None
-    written = writer.close()
-    if not written:
-        raise ValueError(f"no text in {', '.join(inputs)}: every document is empty")
+        writer.remove()
+        marker.unlink()
+        if isinstance(err, ValueError):
+            raise ValueError(f"{err} (no shards written)") from None
+        raise
+    # Every shard and sidecar is on disk already (write_atomic): only now may the folder pass for complete.
+    marker.unlink()
+    _fsync_folder(out)
     return written
 
 

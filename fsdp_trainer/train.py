@@ -38,7 +38,8 @@ from fsdp_trainer import distributed
 from fsdp_trainer.checkpoint import CheckpointError, Checkpointer, StopSignals
 from fsdp_trainer.config import (Config, ConfigError, check_block_counts, check_output_dirs, grads_in_compute_pool,
                                  mesh_shape, parse_args, resolve_param_dtype, to_toml, validate)
-from fsdp_trainer.data import DataError, build_dataloader, build_dataset, samples_per_step, stop_workers
+from fsdp_trainer.data import (DataError, build_dataloader, build_dataset, check_enough_samples, samples_per_step,
+                               stop_workers)
 from fsdp_trainer.distributed import logger
 from fsdp_trainer.faults import (NonFiniteError, NonFiniteGuard, Watchdog, describe_oom, enable_flight_recorder,
                                   requested_bytes)
@@ -382,6 +383,7 @@ def main(argv=None, model_fn: Optional[ModelFn] = None) -> None:
     try:
         check_output_dirs(cfg)
         dataset = build_dataset(cfg.data, cfg.train.seq_len, model_args_from_config(cfg.model).vocab_size)
+        check_enough_samples(dataset, cfg.train.micro_batch_size, cfg.train.grad_accum_steps, world_size)
     except ConfigError as err:  # the data may be missing or unreadable on one node only
         exit_with_error(f"[rank {rank}] {err}", show=first_on_node)
     if rank == 0:

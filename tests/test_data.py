@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from fsdp_trainer.config import ConfigError, DataConfig
-from fsdp_trainer.data import (BYTE_EOS, DataError, SampleOrder, StepSampler, SyntheticTokens, build_dataloader, build_dataset,
-                               load_shards, main, prepare, samples_per_step, stdlib_shards, stop_workers, write_atomic,
-                               write_shard)
+from fsdp_trainer import data
+from fsdp_trainer.data import (BYTE_EOS, UNFINISHED, DataError, SampleOrder, StepSampler, SyntheticTokens,
+                               build_dataloader, build_dataset, check_enough_samples, load_shards, main, prepare,
+                               samples_per_step, stdlib_shards, stop_workers, write_atomic, write_shard)
 
 SEQ_LEN = 8
 NUM_SAMPLES = 40
@@ -87,6 +88,7 @@ def test_prepare_round_trip(tmp_path, capsys):
     meta = json.loads((tmp_path / "out" / "shard_00000.json").read_text())
     assert meta == {"dtype": "uint16", "num_tokens": 7, "vocab_size": 257, "tokenizer": "bytes"}
     assert not list((tmp_path / "out").glob(".*"))  # every temporary file was renamed into place
+    assert not (tmp_path / "out" / UNFINISHED).exists()
     assert f"{len(expected):,} tokens" in capsys.readouterr().out
 
 
@@ -121,6 +123,76 @@ def test_prepare_refuses_bad_inputs(tmp_path):
                 log=lambda _: None)
     assert not any((tmp_path / "o8").iterdir())
     prepare([str(tmp_path / "big.txt")], str(tmp_path / "o8"), shard_tokens=10, log=lambda _: None)
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_prepare_that_fails_midway_leaves_nothing(tmp_path, monkeypatch, failure):
+    """A full disk or Ctrl-C after some shards: the shards written, the one half written and the marker all go, so
+    that no folder of complete shards holding only part of the data is left, and the same command works again."""
+    (tmp_path / "big.txt").write_text("y" * 100)
+    writes, real_write_atomic = [], write_atomic
+
+    def fail_on_the_third_sidecar(path, write):
+        writes.append(path.name)
+        if path.name == "shard_00002.json":
+            raise failure
+        real_write_atomic(path, write)
+
+    monkeypatch.setattr(data, "write_atomic", fail_on_the_third_sidecar)
+    with pytest.raises(type(failure)):
+        prepare([str(tmp_path / "big.txt")], str(tmp_path / "out"), shard_tokens=10, log=lambda _: None)
+    assert writes[0] == UNFINISHED and writes[-2:] == ["shard_00002.bin", "shard_00002.json"]
+    assert not any((tmp_path / "out").iterdir())
+    monkeypatch.undo()
+    prepare([str(tmp_path / "big.txt")], str(tmp_path / "out"), shard_tokens=10, log=lambda _: None)
+    assert len(load_shards(str(tmp_path / "out"))) == 100
+
+
+def test_a_killed_prepare_leaves_a_folder_that_is_refused(tmp_path):
+    """A prepare killed after some shards (SIGKILL, the OOM killer) cannot clean up: its complete shards must not
+    pass for the whole data."""
+    (tmp_path / "big.txt").write_text("y" * 100)
+    script = ("import os, signal\nfrom fsdp_trainer.data import prepare\n"
+              "def log(line):\n    if 'shard_00001' in line:\n        os.kill(os.getpid(), signal.SIGKILL)\n"
+              f"prepare([{str(tmp_path / 'big.txt')!r}], {str(tmp_path / 'out')!r}, shard_tokens=10, log=log)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9, out.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        UNFINISHED, "shard_00000.bin", "shard_00000.json", "shard_00001.bin", "shard_00001.json"]
+    with pytest.raises(ConfigError, match=f"data.path={tmp_path / 'out'}: {tmp_path / 'out' / UNFINISHED} is there: "
+                                          "the prepare writing this folder was interrupted .*part of the data; remove "
+                                          "the folder and run prepare again"):
+        build_dataset(tokens_cfg(tmp_path / "out"), SEQ_LEN, VOCAB)
+    with pytest.raises(ValueError, match=f"holds {UNFINISHED}: a prepare into it was interrupted .*remove the folder"):
+        prepare([str(tmp_path / "big.txt")], str(tmp_path / "out"))
+
+
+def test_prepare_errors_name_the_path_and_the_fix(tmp_path):
+    (tmp_path / "ok.txt").write_text("x")
+    (tmp_path / "a_file").write_text("")
+    for output in (tmp_path / "a_file", tmp_path / "a_file" / "out"):
+        with pytest.raises(ValueError, match=f"^{output}: cannot create the output folder \\(a file is in the way\\); "
+                                             "choose another output_dir$"):
+            prepare([str(tmp_path / "ok.txt")], str(output))
+    pytest.importorskip("tokenizers")
+    (tmp_path / "tokenizer.json").write_text('{"model": {}}')
+    with pytest.raises(ValueError, match=f"--tokenizer {tmp_path / 'tokenizer.json'}: not a Hugging Face "
+                                         "tokenizer.json .*; pass the tokenizer.json saved with"):
+        prepare([str(tmp_path / "ok.txt")], str(tmp_path / "out"), tokenizer=str(tmp_path / "tokenizer.json"))
+
+
+def test_prepare_into_a_folder_of_other_files(tmp_path):
+    """Files load_shards does not read (a tokenizer.json, macOS's '._<name>' copies) leave the folder free for
+    prepare, and out of the data."""
+    (tmp_path / "ok.txt").write_text("xyz")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tokenizer.json").write_text('{"model": {}}')
+    (out / "._shard_00000.bin").write_bytes(b"\0\5\0\0Mac OS X")
+    (out / "._shard_00000.json").write_bytes(b"\0\5\0\0Mac OS X")
+    prepare([str(tmp_path / "ok.txt")], str(out), log=lambda _: None)
+    stream = load_shards(str(out))
+    assert stream.read(0, len(stream)).tolist() == list(b"xyz")
 
 
 def test_prepare_without_tokenizers_package(tmp_path, monkeypatch):
@@ -294,6 +366,44 @@ def test_resume_on_another_world_size(shards):
     resumed = run_steps(cfg, b=2, accum=2, dp=2, steps=6, start_sample=k * G)
     assert [sorted(s) for s in resumed] == [sorted(s) for s in uninterrupted[k:]]
     assert sorted(uninterrupted[0]) != sorted(uninterrupted[k])  # the comparison above can tell steps apart
+
+
+def test_resume_with_another_global_batch_neither_skips_nor_repeats(shards):
+    """A run resumed from its consumed-sample count with another global batch, on another number of ranks, reads
+    the samples an uninterrupted run would, in the same order: no sample skipped or repeated, every epoch whole."""
+    cfg = tokens_cfg(shards)
+    segments = [(3, 1, 2, 5), (4, 1, 3, 4), (5, 1, 1, 3), (2, 3, 2, 4)]  # (b, accum, dp, steps): G = 6, 12, 5, 12
+    consumed, read = 0, []
+    for b, accum, dp, steps in segments:
+        for step in run_steps(cfg, b=b, accum=accum, dp=dp, steps=steps, start_sample=consumed):
+            read += step
+            consumed += samples_per_step(b, accum, dp)
+    order = SampleOrder(NUM_SAMPLES, seed=cfg.seed)
+    assert consumed == 141 and read == [order(g) for g in range(consumed)]
+    assert all(sorted(read[e * NUM_SAMPLES:(e + 1) * NUM_SAMPLES]) == list(range(NUM_SAMPLES))
+               for e in range(consumed // NUM_SAMPLES))
+
+
+def test_a_global_batch_larger_than_the_data_is_refused(shards):
+    dataset = build_dataset(tokens_cfg(shards), SEQ_LEN, VOCAB)
+    check_enough_samples(dataset, micro_batch_size=5, grad_accum_steps=4, dp_size=2)  # G = 40: every sample once
+    with pytest.raises(ConfigError) as info:
+        check_enough_samples(dataset, micro_batch_size=7, grad_accum_steps=3, dp_size=2)
+    assert str(info.value) == (
+        f"data.path={shards}: holds 40 samples of train.seq_len={SEQ_LEN} tokens, fewer than the global batch of 42 "
+        "(train.micro_batch_size=7 x train.grad_accum_steps=3 x 2 data-parallel ranks), so every step would read "
+        "some samples twice; lower --train.micro_batch_size or --train.grad_accum_steps, use fewer ranks, or add data")
+    check_enough_samples(SyntheticTokens(SEQ_LEN, VOCAB, seed=0), micro_batch_size=2**20, grad_accum_steps=1,
+                         dp_size=8)
+
+
+def test_the_trainer_refuses_a_global_batch_larger_than_the_data_before_it_starts(shards, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--data.source", "tokens", "--data.path",
+                          str(shards), "--model.vocab_size", str(VOCAB), "--train.seq_len", str(SEQ_LEN),
+                          "--train.micro_batch_size", "41", "--train.output_dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "fewer than the global batch of 41" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
 
 
 def test_sampler_lays_out_each_step_micro_batch_major_from_the_start_sample():
