@@ -85,8 +85,8 @@ class TrainConfig:
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step. Global batch = micro_batch_size x grad_accum_steps x data-parallel ranks."""
     seed: int = 0
-    """Seed of weight initialization (the same weights for any world size) and of torch's global RNG on every rank
-    (the Llama model draws nothing from it; checkpoints save and restore its state per rank)."""
+    """Seed of weight initialization (the same weights for any world size) and of torch's and Python's global RNGs
+    on every rank (the Llama model draws nothing from them; checkpoints save and restore their state per rank)."""
     output_dir: str = "outputs"
     """Logs, TensorBoard events, the resolved config and checkpoints go here."""
     log_every: int = 10

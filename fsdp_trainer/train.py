@@ -23,6 +23,7 @@ import inspect
 import json
 import math
 import os
+import random
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Optional, Sequence
@@ -168,7 +169,9 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     device = info.device
     dp_replicate, dp_shard = mesh_shape(cfg.parallel, info.world_size)
     output_dir = Path(cfg.train.output_dir)
+    # A team's model may draw from either (dropout, random masking); checkpoints save and restore both per rank.
     torch.manual_seed(cfg.train.seed)
+    random.seed(cfg.train.seed)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 import re
 import subprocess
 import sys
@@ -70,6 +71,25 @@ def gpt2_fn(cfg):
     """model_fn: built eagerly (the trainer seeded torch's RNG with train.seed); the tied head in the root's unit."""
     model = GPT2()
     return model, (GPT2Block,), []
+
+
+def python_draw_at_build(cfg):
+    """Worker: what a model_fn draws from Python's RNG (random masking, say) when the trainer builds it."""
+    drawn = []
+
+    def drawing_fn(cfg):
+        drawn.append(random.random())
+        return gpt2_fn(cfg)
+
+    train.run(cfg, distributed.init(), model_fn=drawing_fn)
+    return drawn[0]
+
+
+def test_python_s_rng_is_seeded_with_train_seed_as_torch_s_is(tmp_path):
+    """Fresh processes draw what train.seed says, not what the operating system's entropy does: a team's model that
+    draws from `random` trains the same run after run (and checkpoints carry its state on from there)."""
+    cfg = tiny_config(train={"output_dir": str(tmp_path), "steps": 1, "seed": 7})
+    assert run_ranks(python_draw_at_build, 1, cfg) == [random.Random(7).random()]
 
 
 def train_gpt2(cfg, model_fn=gpt2_fn):
