@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from typing import Iterable, Literal, Sequence
+from typing import Iterable, Literal, Sequence, get_args
 
 import torch
 from torch import nn
@@ -51,6 +51,14 @@ def blocks_of(model: nn.Module, block_types: Sequence[type]) -> list[nn.Module]:
     return blocks
 
 
+def _check_choice(name: str, value, choices) -> None:
+    """Refuse `value` unless it is one of the Literal type `choices`' values. Misspelt ("Full"), a mode would
+    otherwise leave every block without AC, unsaid, and a reshard policy fail later with a bare KeyError."""
+    allowed = get_args(choices)
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(map(repr, allowed))}")
+
+
 def _replace_forward(module: nn.Module, wrap) -> None:
     inner = module.forward
     module.forward = functools.wraps(inner)(functools.partial(wrap, inner))
@@ -78,6 +86,9 @@ def _op_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def apply_ac(model: nn.Module, block_types: Sequence[type], mode: ACMode, every: int = 2) -> None:
     """Activation checkpointing per block: full, every `every`-th block (selective), or per-op (op)."""
+    _check_choice("mode", mode, ACMode)
+    if mode == "selective" and every < 1:
+        raise ValueError(f"every={every!r}: selective AC checkpoints every `every`-th block, so it must be 1 or more")
     if mode == "none":
         return
     whole = functools.partial(checkpoint, use_reentrant=False)
@@ -159,6 +170,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     `grads_in_compute_pool` lets the sharded gradients and the activations share memory (CUDA). It is refused
     where it would be unsafe (`ComputePoolReduceScatter`): here for a 2-D mesh, CPU offload or a reduction that is
     not float32; during backward if a reduce-scatter would add into existing gradients."""
+    _check_choice("reshard_after_forward", reshard_after_forward, ReshardPolicy)
     if grads_in_compute_pool and (mesh.ndim != 1 or cpu_offload or reduce_dtype != torch.float32):
         raise ValueError("grads_in_compute_pool needs a 1-D mesh, float32 reduction and no CPU offload: the sharded "
                          "gradients must be the reduce-scatter's output itself")

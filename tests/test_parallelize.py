@@ -52,6 +52,27 @@ def test_blocks_of_names_the_missing_block_type():
         blocks_of(nn.Sequential(nn.ReLU()), (nn.Linear,))
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    ({"mode": "Full"}, "mode='Full': expected one of 'none', 'full', 'selective', 'op'"),
+    ({"mode": "selective", "every": 0}, "every=0: selective AC checkpoints every `every`-th block, so it must be 1 "
+                                        "or more"),
+], ids=["mode", "every"])
+def test_apply_ac_refuses_an_unknown_mode_and_a_selective_every_below_one(kwargs, message):
+    """A team calls apply_ac on its own model: a misspelt mode would leave it without AC, unsaid, and every=0 would
+    divide by zero."""
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        apply_ac(build(ARGS, device="meta"), (TransformerBlock,), **kwargs)
+
+
+def test_apply_fsdp_refuses_an_unknown_reshard_policy_before_sharding(monkeypatch):
+    from fsdp_trainer import parallelize
+
+    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
+    with pytest.raises(ValueError, match="^reshard_after_forward='Never': expected one of 'default', 'always', "
+                                         "'never'$"):
+        apply_fsdp(build(ARGS, device="meta"), None, block_types=(TransformerBlock,), reshard_after_forward="Never")
+
+
 @pytest.mark.parametrize("block_types", ["TransformerBlock", TransformerBlock, ("TransformerBlock",)])
 def test_block_types_given_as_a_name_or_a_bare_class_are_refused_naming_the_form(block_types):
     with pytest.raises(TypeError, match=r"block_types=.*expected a tuple of the classes of the model's repeated "

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_trainer import distributed, train
 from fsdp_trainer.data import build_dataloader, build_dataset
@@ -143,15 +143,16 @@ def reference_run(cfg, world_size: int):
     return history, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def assert_matches_reference(results, reference, *, loss_tol, param_tol=None):
-    """Rank 0's losses and grad norms within loss_tol of the reference's, its final weights within param_tol (None:
-    the caller compares them)."""
+def assert_matches_reference(results, reference, *, loss_tol, grad_norm_rtol=2e-4, param_tol=None):
+    """Rank 0's losses within loss_tol of the reference's, its grad norms within grad_norm_rtol of them (relative:
+    a grad norm is as large as the step's gradient), its final weights within param_tol (None: the caller compares
+    them)."""
     ref_history, ref_state = reference
     history = results[0]["history"]
     assert [r["step"] for r in history] == [r["step"] for r in ref_history]
     for got, want in zip(history, ref_history):
         assert got["loss"] == pytest.approx(want["loss"], abs=loss_tol), (got, want)
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=loss_tol * 10), (got, want)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=grad_norm_rtol), (got, want)
     state = results[0]["state"]
     assert state.keys() == ref_state.keys()
     if param_tol is not None:
@@ -169,17 +170,17 @@ def initial_weights(cfg) -> dict:
     return model.state_dict()
 
 
-def assert_matches_float32_reference(results, cfg, *, loss_tol, update_rtol):
+def assert_matches_float32_reference(results, cfg, *, update_rtol, **tolerances):
     """A run that computes in its param_dtype: a block's Linear received inputs of that dtype, and the float32
-    reference's losses and grad norms are within loss_tol. Each weight's update over the run (final - initial) is
-    within update_rtol of the reference's, by norm per tensor: the updates, not the weights, so that a weight that
-    did not move (its gradient lost) fails however small, where a tolerance on the weights may exceed all that the
-    run moved them."""
+    reference's losses and grad norms are within `tolerances` (assert_matches_reference's). Each weight's update over
+    the run (final - initial) is within update_rtol of the reference's, by norm per tensor: the updates, not the
+    weights, so that a weight that did not move (its gradient lost) fails however small, where a tolerance on the
+    weights may exceed all that the run moved them."""
     assert results[0]["block_linear_dtypes"] == {getattr(torch, cfg.parallel.param_dtype)}
     reference_cfg = copy.deepcopy(cfg)
     reference_cfg.parallel.param_dtype = "float32"
     reference = reference_run(reference_cfg, len(results))
-    assert_matches_reference(results, reference, loss_tol=loss_tol)
+    assert_matches_reference(results, reference, **tolerances)
     state, initial = results[0]["state"], initial_weights(cfg)
     for key, ref_final in reference[1].items():
         update, ref_update = state[key] - initial[key], ref_final - initial[key]
@@ -218,8 +219,9 @@ def test_bfloat16_compute_stays_close_with_float32_master_weights(tmp_path):
     results = run_ranks(train_and_gather, 2, cfg)
     assert results[0]["param_dtypes"] == {torch.float32}       # sharded master weights
     assert results[0]["optim_dtypes"] == {torch.float32}       # AdamW moments
-    # bfloat16 rounding moves no update by more than 5% of itself here.
-    assert_matches_float32_reference(results, cfg, loss_tol=1e-2, update_rtol=0.2)
+    # About twice what bfloat16 rounding does here (the same on every run: CPU ranks of one thread each): it moves
+    # no update by more than 8% of itself (3.8% measured), no loss by 3.5e-3 (1.7e-3), no grad norm by 0.35% (0.16%).
+    assert_matches_float32_reference(results, cfg, loss_tol=3.5e-3, grad_norm_rtol=3.5e-3, update_rtol=0.08)
 
 
 def test_tied_embeddings_stay_tied_and_match_reference(tmp_path):
@@ -246,17 +248,18 @@ def test_activation_checkpointing_under_fsdp_matches_reference(tmp_path, ac, rec
     assert (ops["silu"] - blocks, ops[SDPA] - blocks) == recomputed
 
 
-@pytest.mark.parametrize("model,parallel,loss_tol,update_rtol", [
-    ({}, {}, 2e-5, 1e-4),
-    ({"tie_embeddings": True}, {}, 2e-5, 1e-4),
-    ({}, {"param_dtype": "bfloat16"}, 1e-2, 0.2),
+@pytest.mark.parametrize("model,parallel,tolerances", [
+    ({}, {}, {"loss_tol": 2e-5, "update_rtol": 1e-4}),
+    ({"tie_embeddings": True}, {}, {"loss_tol": 2e-5, "update_rtol": 1e-4}),
+    # About twice bfloat16's measured 1.9e-3, 0.17% and 4.2%, as in the unchunked bfloat16 test above.
+    ({}, {"param_dtype": "bfloat16"}, {"loss_tol": 4e-3, "grad_norm_rtol": 3.5e-3, "update_rtol": 0.09}),
 ], ids=["float32", "float32-tied", "bfloat16"])
-def test_chunked_loss_under_fsdp_matches_reference(tmp_path, model, parallel, loss_tol, update_rtol):
+def test_chunked_loss_under_fsdp_matches_reference(tmp_path, model, parallel, tolerances):
     """24-token chunks of 64-token micro-batches (the last chunk shorter), two micro-batches per step."""
     cfg = tiny_config(model=model, parallel=parallel,
                       train={"output_dir": str(tmp_path), "loss_chunk_tokens": 24, "grad_accum_steps": 2})
     results = run_ranks(train_and_gather, 2, cfg)
-    assert_matches_float32_reference(results, cfg, loss_tol=loss_tol, update_rtol=update_rtol)
+    assert_matches_float32_reference(results, cfg, **tolerances)
 
 
 def one_llama_step(cfg, micro_batches: int = 1) -> None:
@@ -405,11 +408,75 @@ def test_float16_with_loss_scaling_trains_under_fsdp(tmp_path):
     unscaled before they are clipped and logged: the float32 reference's grad norms, not 2**16 times them."""
     cfg = tiny_config(parallel={"param_dtype": "float16"}, train={"output_dir": str(tmp_path), "steps": 12})
     results = run_ranks(train_and_gather, 2, cfg)
-    assert results[0]["loss_scale"] is not None and 0 < results[0]["loss_scale"] <= 2.0 ** 16  # the scaler in use
+    # The scaler in use, at its initial scale: no step overflowed (each would halve it), and it doubles only after
+    # 2000 steps without one.
+    assert results[0]["loss_scale"] == 2.0 ** 16
     losses = [r["loss"] for r in results[0]["history"]]
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5
-    # float16 rounding moves no update by more than 1% of itself here.
-    assert_matches_float32_reference(results, cfg, loss_tol=5e-3, update_rtol=0.05)
+    # About twice what float16 rounding does here (the same on every run): it moves no update by more than 2% of
+    # itself (1.0% measured), no loss by 5e-4 (2.4e-4), no grad norm by 0.025% (0.011%).
+    assert_matches_float32_reference(results, cfg, loss_tol=5e-4, grad_norm_rtol=2.5e-4, update_rtol=0.02)
+
+
+def train_overflowing_on_one_rank(cfg, overflow_step: int):
+    """Worker: train in float16 with an inf written into rank 1's shard of the embedding's gradient after backward
+    at step `overflow_step` (an overflow in backward, once reduce-scattered, is in the shard of one rank alone).
+    Returns, per step, the loss scale after it and the names of this rank's weight shards and AdamW state tensors
+    it changed; the logged rows; and the names of all of them."""
+    info = distributed.init()
+    train_step, steps = train.train_step, []
+
+    def local_state(model, optimizer) -> dict:
+        names = {param: name for name, param in model.named_parameters()}
+        tensors = dict(model.named_parameters())
+        tensors.update({f"{names[param]} {key}": value for param, state in optimizer.state.items()
+                        for key, value in state.items()})
+        return {name: (t.to_local() if isinstance(t, DTensor) else t).detach().clone() for name, t in tensors.items()}
+
+    def overflowing_step(model, optimizer, scheduler, batches, cfg, scaler, *args, **kwargs):
+        before = local_state(model, optimizer)
+        if len(steps) + 1 == overflow_step and info.rank == 1:
+            unscale = scaler.unscale_
+
+            def unscale_after_overflow(optimizer):
+                model.tok_embeddings.weight.grad.to_local()[0, 0] = math.inf
+                unscale(optimizer)
+
+            scaler.unscale_ = unscale_after_overflow  # on this instance, for this step only
+        try:
+            result = train_step(model, optimizer, scheduler, batches, cfg, scaler, *args, **kwargs)
+        finally:
+            vars(scaler).pop("unscale_", None)
+        after = local_state(model, optimizer)
+        steps.append({"scale": scaler.get_scale(),
+                      "changed": sorted(name for name, value in after.items()
+                                        if name not in before or not torch.equal(value, before[name]))})
+        return result
+
+    train.train_step = overflowing_step
+    result = train.run(cfg, info)
+    return {"steps": steps, "history": result["history"],
+            "names": sorted(local_state(result["model"], result["optimizer"]))}
+
+
+def test_a_gradient_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """float16: the loss scaler must skip the step on every rank, though only rank 1's gradient shard overflowed,
+    or the ranks would apply different updates to the weights they share: their scalers see it because torch.amp
+    reduces found-inf across the ranks of DTensor gradients. The step leaves each rank's weights and AdamW state
+    as they were and halves the scale; the steps either side of it change all of them."""
+    # Random tokens over the whole vocabulary: in the text's bytes no token reaches the embedding rows of rank 1,
+    # whose AdamW moments would then stay 0 on every step.
+    cfg = tiny_config(parallel={"param_dtype": "float16"}, data={"source": "synthetic"},
+                      train={"output_dir": str(tmp_path), "steps": 3})
+    for result in run_ranks(train_overflowing_on_one_rank, 2, cfg, 2):
+        everything = result["names"]
+        assert [step["changed"] for step in result["steps"]] == [everything, [], everything]
+        assert [step["scale"] for step in result["steps"]] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 15]
+        # The logged grad norm shows the overflow. The scaler's skips do not count toward train.max_skipped_steps:
+        # lowering the scale until the gradients fit is how it works (NonFiniteGuard stops a run whose scale
+        # collapses instead).
+        assert [row["grad_norm"] for row in result["history"]][1] == math.inf
+        assert [row["skipped_steps"] for row in result["history"]] == [0, 0, 0]
 
 
 def train_recording_collections(cfg):
