@@ -58,6 +58,11 @@ class ModelConfig:
                 if f.name != "name" and getattr(self, f.name) is not None}
 
 
+# ac.mode's and parallel.reshard_after_forward's values, which parallelize.apply_ac and apply_fsdp take too.
+ACMode = Literal["none", "full", "selective", "op"]
+ReshardPolicy = Literal["default", "always", "never"]
+
+
 @dataclass
 class DataConfig:
     source: Literal["stdlib", "tokens", "synthetic"] = "stdlib"
@@ -144,7 +149,7 @@ class ParallelConfig:
     float16 (with loss scaling) on older GPUs, float32 on CPU. Sharded master weights and optimizer state stay float32."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype gradients are reduce-scattered in."""
-    reshard_after_forward: Literal["default", "always", "never"] = "default"
+    reshard_after_forward: ReshardPolicy = "default"
     """Free each module's gathered parameters after forward: default = all but the last to run (the last block, or
     the final norm and output projection where they are sharded apart from the embedding), whose backward starts at
     once; always; or never (faster, more memory)."""
@@ -174,7 +179,7 @@ class ParallelConfig:
 
 @dataclass
 class ACConfig:
-    mode: Literal["none", "full", "selective", "op"] = "none"
+    mode: ACMode = "none"
     """Activation checkpointing: none; full (every block recomputed); selective (every N-th block);
     op (per-op: keep matmul and attention outputs, recompute the rest)."""
     every: int = 2

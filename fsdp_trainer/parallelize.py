@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from typing import Iterable, Literal, Sequence, get_args
+from typing import Iterable, Sequence, get_args
 
 import torch
 from torch import nn
@@ -33,8 +33,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-ACMode = Literal["none", "full", "selective", "op"]
-ReshardPolicy = Literal["default", "always", "never"]
+from fsdp_trainer.config import ACMode, ReshardPolicy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -174,42 +173,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     if grads_in_compute_pool and (mesh.ndim != 1 or cpu_offload or reduce_dtype != torch.float32):
         raise ValueError("grads_in_compute_pool needs a 1-D mesh, float32 reduction and no CPU offload: the sharded "
                          "gradients must be the reduce-scatter's output itself")
-    # fully_shard keeps each parameter's dtype for its shard, the optimizer's master weight: from a model built in
-    # 16 bits, the weights, AdamW's moments and the float32-reduced gradients would all be silently rounded to it.
-    # Frozen parameters have no master weights: a 16-bit frozen base is the model's own choice.
-    low = [name for name, param in model.named_parameters()
-           if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16)]
-    if low:
-        raise ValueError(f"apply_fsdp: trainable parameters in 16 bits ({', '.join(low[:4])}"
-                         f"{' ...' if len(low) > 4 else ''}), but the sharded parameters are the optimizer's master "
-                         "weights; build the model in float32 (param_dtype is the dtype forward and backward compute "
-                         "in)")
+    blocks, groups = check_units(model, block_types, groups)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp, offload_policy=offload)
-    blocks = blocks_of(model, block_types)
-    groups = [list(group) for group in groups]
     # The unit that runs last in forward runs first in backward: freeing its parameters only to all-gather them
     # again at once would cost a collective and save no memory at the peak. By registration order: the last
     # block, or a group with a module registered after it (Llama's final norm and output projection; a tied
     # embedding and head, whose group also runs first).
     position = {id(module): index for index, module in enumerate(model.modules())}
-    if any(id(module) not in position for group in groups for module in group):
-        raise ValueError("every module in `groups` must be a submodule of the model being sharded")
-    if any(module is model for group in groups for module in group):
-        raise ValueError("the model itself cannot be in `groups`: it is the root unit, sharded last with whatever "
-                         "no block or group holds")
-    # Units must not overlap, nor nest (fully_shard would fail with a bare assertion or an invariant error): every
-    # module under a unit's modules, counted once per unit module that holds it.
-    names = {id(module): name for name, module in model.named_modules()}
-    held: set[int] = set()
-    for module in [*blocks, *(module for group in groups for module in group)]:
-        for sub in module.modules():
-            if id(sub) in held:
-                raise ValueError(f"{names[id(sub)]} is in two FSDP units (listed twice, a block also in a group, or "
-                                 "a group inside or around another unit): give each module to one unit only")
-            held.add(id(sub))
-    _check_ties(model, blocks, groups)
     last = max([[blocks[-1]], *groups], key=lambda unit: max(position[id(module)] for module in unit))[0]
 
     def reshard(keep: bool) -> bool:
@@ -226,6 +198,43 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
         for index, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[index + 1:index + 1 + prefetch])
             block.set_modules_to_backward_prefetch(blocks[max(0, index - prefetch):index][::-1])
+
+
+def check_units(model: nn.Module, block_types: Sequence[type], groups: Iterable[Iterable[nn.Module]] = ()
+                ) -> tuple[list[nn.Module], list[list[nn.Module]]]:
+    """The model's blocks and `groups` as apply_fsdp shards them, once checked for what fully_shard would refuse
+    late or obscurely, or do wrong unsaid: trainable parameters in 16 bits, a group module outside the model or the
+    model itself, a module in two units, a parameter tied across units. Raises TypeError or ValueError naming it."""
+    # fully_shard keeps each parameter's dtype for its shard, the optimizer's master weight: from a model built in
+    # 16 bits, the weights, AdamW's moments and the float32-reduced gradients would all be silently rounded to it.
+    # Frozen parameters have no master weights: a 16-bit frozen base is the model's own choice.
+    low = [name for name, param in model.named_parameters()
+           if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16)]
+    if low:
+        raise ValueError(f"apply_fsdp: trainable parameters in 16 bits ({', '.join(low[:4])}"
+                         f"{' ...' if len(low) > 4 else ''}), but the sharded parameters are the optimizer's master "
+                         "weights; build the model in float32 (param_dtype is the dtype forward and backward compute "
+                         "in)")
+    blocks = blocks_of(model, block_types)
+    groups = [list(group) for group in groups]
+    present = {id(module) for module in model.modules()}
+    if any(id(module) not in present for group in groups for module in group):
+        raise ValueError("every module in `groups` must be a submodule of the model being sharded")
+    if any(module is model for group in groups for module in group):
+        raise ValueError("the model itself cannot be in `groups`: it is the root unit, sharded last with whatever "
+                         "no block or group holds")
+    # Units must not overlap, nor nest (fully_shard would fail with a bare assertion or an invariant error): every
+    # module under a unit's modules, counted once per unit module that holds it.
+    names = {id(module): name for name, module in model.named_modules()}
+    held: set[int] = set()
+    for module in [*blocks, *(module for group in groups for module in group)]:
+        for sub in module.modules():
+            if id(sub) in held:
+                raise ValueError(f"{names[id(sub)]} is in two FSDP units (listed twice, a block also in a group, or "
+                                 "a group inside or around another unit): give each module to one unit only")
+            held.add(id(sub))
+    _check_ties(model, blocks, groups)
+    return blocks, groups
 
 
 def _check_ties(model: nn.Module, blocks: list[nn.Module], groups: list[list[nn.Module]]) -> None:

@@ -48,7 +48,7 @@ from fsdp_trainer.loss import compiled_cross_entropy, cross_entropy
 from fsdp_trainer.metrics import GiB, Metrics, PhaseTimer, environment, write_run_info
 from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm, follow_current_schedule
-from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile, apply_fsdp, blocks_of, init_weights
+from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile, apply_fsdp, check_units, init_weights
 from fsdp_trainer.plan import Plan, check_fits, remedy_after_oom
 from fsdp_trainer.profiling import OPTIMIZER_RANGE, StepProfiler
 
@@ -75,7 +75,7 @@ def build_model(cfg: Config, mesh, device: torch.device, model_fn: Optional[Mode
         args = None
         model, blocks, groups = model_fn(cfg)
         vocab_size = model_args_from_config(cfg.model).vocab_size  # the data's ids are checked against it
-        check_own_model(model, blocks, cfg, vocab_size)  # before sharding and materializing it
+        check_own_model(model, blocks, groups, cfg, vocab_size)  # before sharding and materializing it
         if not cfg.train.loss_chunk_tokens:  # else forward returns the loss
             check_logits_once(model, vocab_size)
     apply_ac(model, blocks, cfg.ac.mode, cfg.ac.every)
@@ -265,13 +265,19 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     return {"step": progress.step, "history": history, "model": model, "optimizer": optimizer, "scaler": scaler}
 
 
-def check_own_model(model: nn.Module, blocks: Sequence[type], cfg: Config, vocab_size: int) -> None:
-    """What would otherwise fail inside the first step (on GPUs, as a device-side assert) or do nothing unsaid,
-    before the model is sharded: a token embedding smaller than vocab_size, the ids the data are checked against
-    (the largest nn.Embedding is taken for it: a position embedding is smaller); train.seq_len beyond the model's
+def check_own_model(model: nn.Module, blocks: Sequence[type], groups: Sequence[Sequence[nn.Module]], cfg: Config,
+                    vocab_size: int) -> None:
+    """What would otherwise fail inside the first step (on GPUs, as a device-side assert), in sharding, or do nothing
+    unsaid, before the model is sharded, as a ConfigError: blocks and groups that cannot be sharded as given
+    (parallelize.check_units); a token embedding smaller than vocab_size, the ids the data are checked against (the
+    largest nn.Embedding is taken for it: a position embedding is smaller); train.seq_len beyond the model's
     max_seq_len attribute; settings counting more blocks than it has; a forward that cannot take
     train.loss_chunk_tokens' call, model(tokens, labels, chunk_tokens)."""
     name = _class_name(model)
+    try:
+        block_list, _ = check_units(model, blocks, groups)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{name} as model_fn returned it: {err}") from None
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     if sizes and max(sizes) < vocab_size:
         raise ConfigError(f"{name}'s largest embedding has {max(sizes)} rows, but the data may hold ids up to "
@@ -281,7 +287,7 @@ def check_own_model(model: nn.Module, blocks: Sequence[type], cfg: Config, vocab
     if max_seq_len is not None and cfg.train.seq_len > max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds {name}.max_seq_len={max_seq_len}: lower "
                           "--train.seq_len, or build the model with a longer context")
-    check_block_counts(cfg, len(blocks_of(model, blocks)))
+    check_block_counts(cfg, len(block_list))
     if not cfg.train.loss_chunk_tokens:
         return
     try:

@@ -224,19 +224,30 @@ def test_an_embedding_smaller_than_the_data_s_vocabulary_is_named_before_the_fir
         run_ranks(train_gpt2, 1, cfg, small_vocab_fn)
 
 
-def test_main_names_what_is_wrong_with_a_teams_model_in_one_line(tmp_path):
-    """The trainer's command line, a single process: a model that does not fit the settings is bad input (exit 2,
-    one error line), not a crash with a traceback per rank."""
+def split_tie_fn(cfg):
+    """The tied embedding in a group of its own, its head left to the root: two units would each shard a copy."""
+    model = GPT2()
+    return model, (GPT2Block,), [[model.wte]]
+
+
+@pytest.mark.parametrize("model_fn,message", [
+    ("small_vocab_fn", "GPT2's largest embedding has 300 rows"),
+    ("split_tie_fn", "GPT2 as model_fn returned it: apply_fsdp: lm_head.weight (in the root (what no block or group "
+                     "holds)) is the same parameter as wte.weight (in group [wte]), tied weights"),
+])
+def test_main_names_what_is_wrong_with_a_teams_model_in_one_line(tmp_path, model_fn, message):
+    """The trainer's command line, a single process: a model that does not fit the settings, or cannot be sharded
+    as model_fn lists its units, is bad input (exit 2, one error line), not a crash with a traceback per rank."""
     script = ("import sys\n"
               f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
               "from fsdp_trainer import train\n"
-              "from test_own_model import small_vocab_fn\n"
-              "train.main(sys.argv[1:], model_fn=small_vocab_fn)\n")
+              f"from test_own_model import {model_fn}\n"
+              f"train.main(sys.argv[1:], model_fn={model_fn})\n")
     out = subprocess.run([sys.executable, "-c", script, *TINY_FLAGS, "--data.source", "synthetic",
                           "--dist.no_flight_recorder", "--train.output_dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-3000:]
-    assert "error: GPT2's largest embedding has 300 rows" in out.stderr and "Traceback" not in out.stderr
+    assert f"error: {message}" in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
 def test_the_chunked_loss_refuses_a_forward_that_takes_only_tokens(tmp_path):
@@ -287,8 +298,8 @@ class LongContextGPT2(GPT2):
 def test_a_teams_model_s_own_context_and_blocks_bound_the_run(flags, message):
     cfg = parse_args([*TINY_FLAGS, *flags])
     with pytest.raises(ConfigError, match=re.escape(message)):
-        train.check_own_model(LongContextGPT2(), (GPT2Block,), cfg, cfg.model.vocab_size)
-    train.check_own_model(LongContextGPT2(), (GPT2Block,), parse_args(TINY_FLAGS), cfg.model.vocab_size)
+        train.check_own_model(LongContextGPT2(), (GPT2Block,), [], cfg, cfg.model.vocab_size)
+    train.check_own_model(LongContextGPT2(), (GPT2Block,), [], parse_args(TINY_FLAGS), cfg.model.vocab_size)
 
 
 def test_flops_per_token_of_a_teams_model(caplog):
