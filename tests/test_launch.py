@@ -488,14 +488,16 @@ def test_a_signal_before_the_ranks_handle_it_is_relayed_once_they_do(tmp_path):
 
 
 def fake_slurm(tmp_path: Path, hostnames: str = "echo localhost", tasks: tuple[str, ...] = ('"$@"',),
-               step_seconds: float = 1) -> Path:
+               step_seconds: float = 1, refuse_requeue: bool = False) -> Path:
     """Stand-ins for scontrol, srun and scancel that log their calls to the file returned. srun runs its task (or
     each of `tasks`, 0.5 s apart, as on several nodes) on this machine after `step_seconds` (creating the step),
     and SIGUSR1 kills it, as it kills a real srun before its step runs. `scancel --signal=SIG` signals the tasks
-    started so far, as Slurm signals every task of the job's steps (none before the step has any)."""
+    started so far, as Slurm signals every task of the job's steps (none before the step has any). `scontrol
+    requeue` fails with `refuse_requeue`."""
     calls, pids = tmp_path / "calls.log", tmp_path / "tasks"
     stand_in(tmp_path, "scontrol", f'echo "scontrol $*" >> "{calls}"\n'
-             f'if [ "$1 $2" = "show hostnames" ]; then {hostnames}; fi\n')
+             f'if [ "$1 $2" = "show hostnames" ]; then {hostnames}; fi\n'
+             f'if [ "$1" = requeue ]; then exit {int(refuse_requeue)}; fi\n')
     start_tasks = "\nsleep 0.5\n".join(f'{task} &\necho $! >> "{pids}"' for task in tasks)
     stand_in(tmp_path, "srun", f'echo "srun $*" >> "{calls}"\nsleep {step_seconds}\n'
              f'while [[ "$1" == --* ]]; do shift; done\n{start_tasks}\n'
@@ -556,14 +558,15 @@ def test_slurm_preemption_chain(tmp_path):
 
 
 @needs_proc
-@pytest.mark.parametrize("count,requeued", [("76 3", True), ("77 3", False)], ids=["another-job", "limit"])
-def test_slurm_stop_during_start_up_is_requeued_3_times_in_a_row_at_most(tmp_path, count, requeued):
+@pytest.mark.parametrize("count,requeued,refused", [("76 3", True, False), ("77 3", False, False), ("77 1", True, True)],
+                         ids=["another-job", "limit", "refused"])
+def test_slurm_stop_during_start_up_is_requeued_3_times_in_a_row_at_most(tmp_path, count, requeued, refused):
     """A requeued job, resuming from step 100000000, gets SIGUSR1 during the batch script's set-up, before srun
     exists (while scontrol expands the node list). The signal must reach the stand-in rank once it handles it; that
     rank exits 0 with nothing new saved, as the trainer does when stopped during its start-up. A preemption may come
     at any time, so the job is requeued, but only 3 times in a row without a newer checkpoint: a start-up longer than
     --time minus the warning would be stopped each time, for ever. The count is this job's: one a job 76 left (a
-    resubmission, say) starts it afresh. The checkpoint the job started from is the trainer's newest, not a
+    resubmission, say) starts it afresh; a requeue Slurm refuses does not count. The checkpoint the job started from is the trainer's newest, not a
     step_latest link, a folder set aside as step_N.unusable, or step 99999999 (which sorts after 100000000 as text).
     """
     record, rank = tmp_path / "signals", tmp_path / "rank.py"
@@ -578,7 +581,7 @@ def test_slurm_stop_during_start_up_is_requeued_3_times_in_a_row_at_most(tmp_pat
     counter = root / ".requeues_without_progress"
     counter.write_text(count + "\n")
     setting_up = tmp_path / "setting-up"
-    calls = fake_slurm(tmp_path, hostnames=f'touch "{setting_up}"; sleep 1; echo localhost')
+    calls = fake_slurm(tmp_path, hostnames=f'touch "{setting_up}"; sleep 1; echo localhost', refuse_requeue=refused)
     proc = start(["bash", str(LAUNCH / "slurm.sbatch"), "--train.output_dir", str(tmp_path / "out")],
                  slurm_job_env(tmp_path, SLURM_RESTART_COUNT="1"), tmp_path / "job.log")
     try:
@@ -590,7 +593,10 @@ def test_slurm_stop_during_start_up_is_requeued_3_times_in_a_row_at_most(tmp_pat
     log = (tmp_path / "job.log").read_text()
     assert code == 0 and record.read_text() == "USR1\n", log
     assert f"before saving a checkpoint newer than {root / 'step_100000000'}" in log, log
-    if requeued:
+    if refused:
+        assert "requeue 2 of at most 3 in a row without one; requeueing job 77" in log, log
+        assert "requeue refused" in log and counter.read_text() == "77 1\n", log
+    elif requeued:
         assert "(during start-up?): requeue 1 of at most 3 in a row without one; requeueing job 77" in log, log
         assert "scontrol requeue 77" in calls.read_text() and counter.read_text() == "77 1\n"
     else:
