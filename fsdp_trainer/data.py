@@ -682,14 +682,24 @@ def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = N
         reason = "a file is in the way" if isinstance(err, (FileExistsError, NotADirectoryError)) else err.strerror
         raise ValueError(f"{out}: cannot create the output folder ({reason}); choose another output_dir") from None
     marker = out / UNFINISHED
-    if marker.exists():
+    # Created exclusively, before anything else is looked at: of two prepares started into one folder (on every
+    # node of a job, over shared storage), one claims it and the other is refused, instead of both writing the same
+    # shard names and one removing the other's on failure.
+    try:
+        claim = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
         raise ValueError(f"{out} holds {UNFINISHED}: a prepare into it was interrupted (or is still running); "
-                         "remove the folder and run prepare again")
+                         "remove the folder and run prepare again") from None
+    with os.fdopen(claim, "wb") as f:
+        f.write(b"python -m fsdp_trainer.data prepare is writing this folder, or was interrupted: remove the folder "
+                b"and run prepare again\n")
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_folder(out)
     if _holds_shards(out):
+        marker.unlink()
         raise ValueError(f"{out} already holds shards, which a reader would mix with the new ones; prepare into a "
                          "folder that holds no shards yet (a new one, say)")
-    write_atomic(marker, lambda f: f.write(b"python -m fsdp_trainer.data prepare is writing this folder, or was "
-                                           b"interrupted: remove the folder and run prepare again\n"))
     writer = _ShardWriter(out, encoder.vocab_size, encoder.name, encoder.eos, shard_tokens, log)
     try:
         for path in files:

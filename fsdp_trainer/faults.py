@@ -377,13 +377,14 @@ def oom_phase(err: BaseException) -> str:
     return next((phase for call, phase in _STEP_CALLS.items() if call in (step.line or "")), "forward")
 
 
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+# The units of the caching allocator's format_size: "512 bytes", then KiB, MiB and GiB (2048.00 GiB beyond).
+_UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 
 def requested_bytes(err: BaseException) -> int:
     """The size of the allocation that failed, from the caching allocator's message ("Tried to allocate 2.00 GiB");
     0 where the message has none."""
-    found = re.search(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)", str(err))
+    found = re.search(r"Tried to allocate ([0-9.]+) (bytes|KiB|MiB|GiB)", str(err))
     return int(float(found[1]) * _UNITS[found[2]]) if found else 0
 
 
@@ -398,6 +399,9 @@ def describe_oom(err: BaseException, rank: int, device: torch.device, planned_by
         parts.append(f"the memory plan predicted {planned_bytes / 2**30:.1f} GiB")
     if suggestion:
         parts.append(f"suggestion: {suggestion}")
+    elif planned_bytes:
+        parts.append("no change the planner tries lowers the plan by the allocation that failed: `python -m "
+                     "fsdp_trainer.plan` with the same flags and a smaller --gpu-memory lists what each change frees")
     if snapshot_dir is not None:
         snapshot_dir.mkdir(parents=True, exist_ok=True)
         path = snapshot_dir / f"oom_snapshot_rank{rank}.pickle"

@@ -204,7 +204,8 @@ def check_units(model: nn.Module, block_types: Sequence[type], groups: Iterable[
                 ) -> tuple[list[nn.Module], list[list[nn.Module]]]:
     """The model's blocks and `groups` as apply_fsdp shards them, once checked for what fully_shard would refuse
     late or obscurely, or do wrong unsaid: trainable parameters in 16 bits, a group module outside the model or the
-    model itself, a module in two units, a parameter tied across units. Raises TypeError or ValueError naming it."""
+    model itself, an empty group, a module in two units, a parameter tied across units. Raises TypeError or
+    ValueError naming it."""
     # fully_shard keeps each parameter's dtype for its shard, the optimizer's master weight: from a model built in
     # 16 bits, the weights, AdamW's moments and the float32-reduced gradients would all be silently rounded to it.
     # Frozen parameters have no master weights: a 16-bit frozen base is the model's own choice.
@@ -217,6 +218,8 @@ def check_units(model: nn.Module, block_types: Sequence[type], groups: Iterable[
                          "in)")
     blocks = blocks_of(model, block_types)
     groups = [list(group) for group in groups]
+    if not all(groups):
+        raise ValueError("a group in `groups` is empty: each group lists the modules that share one all-gather")
     present = {id(module) for module in model.modules()}
     if any(id(module) not in present for group in groups for module in group):
         raise ValueError("every module in `groups` must be a submodule of the model being sharded")

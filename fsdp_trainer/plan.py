@@ -762,10 +762,11 @@ def check_fits(cfg: Config, world_size: int, gpu_memory_bytes: int) -> Plan:
 
 
 def remedy_after_oom(cfg: Config, planned: Plan, short_by: int) -> Optional[Suggestion]:
-    """For the job `planned` (check_fits' plan) that ran out of memory at least `short_by` bytes short: the cheapest
-    change the planner says lowers the peak by that much, with OPTION_MARGIN to spare. Where the plan said it would
-    fit, the plan was short by as much as the run, so the change must be that much below the plan, not below the GPU;
-    where it said it would not (memory.ignore_plan), its own cheapest change that fits."""
+    """For the job `planned` (check_fits' plan) that ran out of memory where an allocation of `short_by` bytes failed:
+    the cheapest change the planner says lowers the peak by that much, with OPTION_MARGIN to spare (enough: the run
+    was short by that allocation less the memory then free). Where the plan said the run fits, the plan fell short
+    as the run did, so the change must lower the plan itself; where it said it would not (memory.ignore_plan), its
+    own cheapest change that fits. None where no change the planner tries lowers it that much."""
     if not planned.fits:
         return planned.remedy()
     below = dataclasses.replace(planned, capacity_bytes=planned.total_bytes - short_by)

@@ -74,6 +74,7 @@ def build_model(cfg: Config, mesh, device: torch.device, model_fn: Optional[Mode
     else:
         args = None
         model, blocks, groups = model_fn(cfg)
+        groups = [list(group) for group in groups]  # read twice, by the checks and by apply_fsdp
         vocab_size = model_args_from_config(cfg.model).vocab_size  # the data's ids are checked against it
         check_own_model(model, blocks, groups, cfg, vocab_size)  # before sharding and materializing it
         if not cfg.train.loss_chunk_tokens:  # else forward returns the loss

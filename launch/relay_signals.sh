@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run a torchrun command and relay SIGUSR1 and SIGTERM to its training processes, exactly once per signal:
+# Run a torchrun command and relay the first SIGUSR1, and each SIGTERM, to its training processes, once:
 #
 #   bash launch/relay_signals.sh torchrun --nnodes=2 ... -m fsdp_trainer.train --config configs/llama3_8b.toml
 #
@@ -30,7 +30,7 @@ fi
 node="$(uname -n)"
 launcher=""   # torchrun's pid, once started
 pending=()    # signals received that no training process could take yet, in order
-usr1=""       # set once a SIGUSR1 came
+usr1=""       # 1 once a SIGUSR1 came, 2 once another was dropped
 
 # The launcher's direct children, read from /proc (procps' pgrep is missing from many container images).
 # shellcheck disable=SC2317  # reached through deliver(), from the traps below
@@ -79,7 +79,11 @@ deliver() {
 receive() {
     if [[ "$1" == USR1 ]]; then
         if [[ -n "$usr1" ]]; then
-            echo "[relay_signals $node] SIGUSR1 again: not relayed (the ranks would take it as \"exit now\")" >&2
+            # said once: slurm.sbatch may send it every 10 s through scancel until the job ends
+            if [[ "$usr1" == 1 ]]; then
+                echo "[relay_signals $node] SIGUSR1 again: not relayed (the ranks would take it as \"exit now\")" >&2
+                usr1=2
+            fi
             return 0
         fi
         usr1=1

@@ -133,7 +133,7 @@ def test_prepare_that_fails_midway_leaves_nothing(tmp_path, monkeypatch, failure
     writes, real_write_atomic = [], write_atomic
 
     def fail_on_the_third_sidecar(path, write):
-        writes.append(path.name)
+        writes.append((path.name, (path.parent / UNFINISHED).exists()))
         if path.name == "shard_00002.json":
             raise failure
         real_write_atomic(path, write)
@@ -141,11 +141,31 @@ def test_prepare_that_fails_midway_leaves_nothing(tmp_path, monkeypatch, failure
     monkeypatch.setattr(data, "write_atomic", fail_on_the_third_sidecar)
     with pytest.raises(type(failure)):
         prepare([str(tmp_path / "big.txt")], str(tmp_path / "out"), shard_tokens=10, log=lambda _: None)
-    assert writes[0] == UNFINISHED and writes[-2:] == ["shard_00002.bin", "shard_00002.json"]
+    assert writes[-2:] == [("shard_00002.bin", True), ("shard_00002.json", True)] and all(m for _, m in writes)
     assert not any((tmp_path / "out").iterdir())
     monkeypatch.undo()
     prepare([str(tmp_path / "big.txt")], str(tmp_path / "out"), shard_tokens=10, log=lambda _: None)
     assert len(load_shards(str(tmp_path / "out"))) == 100
+
+
+def test_of_two_prepares_into_one_folder_the_second_is_refused(tmp_path, monkeypatch):
+    """Started together (on every node of a job, over shared storage): the second, arriving while the first looks
+    the folder over, must not also write shard_00000... there; one would remove the other's on failure."""
+    (tmp_path / "big.txt").write_text("y" * 100)
+    second, real_holds_shards = [], data._holds_shards
+
+    def second_prepare_arrives(root):
+        if not second:
+            second.append(None)
+            with pytest.raises(ValueError, match="holds PREPARE_UNFINISHED: a prepare into it was interrupted "
+                                                 r"\(or is still running\)") as refused:
+                prepare([str(tmp_path / "big.txt")], str(root), shard_tokens=10, log=lambda _: None)
+            second[0] = refused
+        return real_holds_shards(root)
+
+    monkeypatch.setattr(data, "_holds_shards", second_prepare_arrives)
+    prepare([str(tmp_path / "big.txt")], str(tmp_path / "out"), shard_tokens=10, log=lambda _: None)
+    assert second[0] is not None and len(load_shards(str(tmp_path / "out"))) == 100
 
 
 def test_a_killed_prepare_leaves_a_folder_that_is_refused(tmp_path):

@@ -346,4 +346,22 @@ def test_the_failed_allocation_is_read_from_the_allocators_message():
                "is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use.")
     assert requested_bytes(torch.OutOfMemoryError(message.format("2.50 GiB"))) == int(2.5 * 2**30)
     assert requested_bytes(torch.OutOfMemoryError(message.format("896.00 MiB"))) == 896 * 2**20
+    assert requested_bytes(torch.OutOfMemoryError(message.format("512 bytes"))) == 512
     assert requested_bytes(torch.OutOfMemoryError("CUDA out of memory")) == 0
+
+
+def test_an_oom_report_names_the_change_to_make_or_says_there_is_none(monkeypatch):
+    from types import SimpleNamespace
+
+    from fsdp_trainer.faults import describe_oom
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 70 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
+    err, cuda = torch.OutOfMemoryError("CUDA out of memory"), torch.device("cuda", 0)
+    report = describe_oom(err, 3, cuda, 60 * 2**30, "--ac.mode full  ->  40.9 GiB", None)
+    assert report == ("rank 3: CUDA out of memory during the training loop; peak allocated 70.0 GiB of 80.0 GiB; the "
+                      "memory plan predicted 60.0 GiB; suggestion: --ac.mode full  ->  40.9 GiB")
+    assert describe_oom(err, 3, cuda, 60 * 2**30, None, None).endswith(
+        "; no change the planner tries lowers the plan by the allocation that failed: `python -m fsdp_trainer.plan` "
+        "with the same flags and a smaller --gpu-memory lists what each change frees")
+    assert describe_oom(err, 3, cuda, None, None, None).endswith("peak allocated 70.0 GiB of 80.0 GiB")  # no plan

@@ -475,15 +475,15 @@ def test_a_signal_before_the_ranks_handle_it_is_relayed_once_they_do(tmp_path):
                             env=launch_env(RELAY_PID_DIR=str(pids), HOSTNAME="login01"))
     try:
         wait_for(lambda: pid_file.exists() and pid_file.read_text() == f"{proc.pid}\n", "pid file")
-        proc.send_signal(signal.SIGUSR1)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGUSR1)
+        for _ in range(3):
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(0.5)
         _, err = proc.communicate(timeout=60)
     finally:
         stop_tree(proc)
     assert proc.returncode == 0 and record.read_text() == "USR1\n", err
     assert "no training process handles it yet" in err and "SIGUSR1 -> training processes" in err, err
-    assert "SIGUSR1 again: not relayed" in err, err
+    assert err.count("SIGUSR1 again: not relayed") == 1, err  # said once, however many come
     assert list(pids.iterdir()) == []
 
 
@@ -689,7 +689,7 @@ def test_slurm_sends_the_stop_through_scancel_again_while_srun_creates_its_step(
     code = end_relay_job(proc, record, done, timeout=60)
     assert code == 0 and record.read_text() == "USR1\n", log.read_text()
     assert calls.read_text().count("scancel --signal=USR1 77") == 2, calls.read_text()
-    assert "again every 10 s up to 6 times" in log.read_text(), log.read_text()
+    assert "again every 10 s until srun ends" in log.read_text(), log.read_text()
 
 
 def test_slurm_without_its_checkpoint_folder_does_not_requeue(tmp_path):

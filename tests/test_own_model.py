@@ -224,6 +224,24 @@ def test_an_embedding_smaller_than_the_data_s_vocabulary_is_named_before_the_fir
         run_ranks(train_gpt2, 1, cfg, small_vocab_fn)
 
 
+def sharded_units_of_generators(cfg):
+    """Worker: which of GPT2's modules become FSDP units of their own when model_fn gives its groups as generators
+    (the trainer reads them twice: to check them, then to shard them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def generators_fn(cfg):
+        model = GPT2()
+        return model, (GPT2Block,), (iter(group) for group in ([model.wpe], [model.ln_f]))
+
+    distributed.init()
+    model, _ = train.build_model(cfg, distributed.build_mesh("cpu", 1, 1), torch.device("cpu"), generators_fn)
+    return [isinstance(module, FSDPModule) for module in (model.wpe, model.ln_f)]
+
+
+def test_groups_given_as_generators_are_sharded_as_listed(tmp_path):
+    assert run_ranks(sharded_units_of_generators, 1, tiny_config(train={"output_dir": str(tmp_path)})) == [[True, True]]
+
+
 def split_tie_fn(cfg):
     """The tied embedding in a group of its own, its head left to the root: two units would each shard a copy."""
     model = GPT2()

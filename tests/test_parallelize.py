@@ -94,6 +94,8 @@ def test_a_module_in_two_fsdp_units_is_named_before_sharding(monkeypatch):
             apply_fsdp(model, None, block_types=(TransformerBlock,), groups=groups)
     with pytest.raises(ValueError, match="the model itself cannot be in `groups`"):
         apply_fsdp(model, None, block_types=(TransformerBlock,), groups=[[model]])
+    with pytest.raises(ValueError, match="a group in `groups` is empty"):  # it would fail in sharding, obscurely
+        apply_fsdp(model, None, block_types=(TransformerBlock,), groups=[[model.output], []])
 
 
 # -- a team's own model: not a transformer, no init_param, built eagerly ------------------------------------

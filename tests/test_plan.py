@@ -246,6 +246,7 @@ def test_an_out_of_memory_run_is_offered_a_change_that_lowers_the_plan_by_the_fa
     # half a GiB: the chunked loss, or 8 GPUs, at the same speed; 12 GiB: only full AC and slower changes do
     assert remedy_after_oom(cfg, fits, GiB // 2).cost == pytest.approx(0, abs=0.005)
     assert remedy_after_oom(cfg, fits, 12 * GiB).change == {"ac.mode": "full"}
+    assert remedy_after_oom(cfg, fits, fits.total_bytes) is None  # nothing frees the whole plan: the report says so
     tight = plan(cfg, 4, parse_memory("40GB"))
     assert remedy_after_oom(cfg, tight, GiB) is tight.suggestions[0]
 
