@@ -76,7 +76,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_trainer.config import Config, ConfigError, checkpoint_root, from_dict, mesh_shape, to_toml
-from fsdp_trainer.data import samples_per_step, write_atomic
+from fsdp_trainer.data import fsync_folder, samples_per_step, write_atomic
 from fsdp_trainer.distributed import DistInfo, logger
 from fsdp_trainer.faults import Watchdog
 from fsdp_trainer.models.llama import model_args_from_config
@@ -1189,9 +1189,13 @@ class Checkpointer:
                                       async_stager=self._stager)
             # torch returns an AsyncSaveResponse only for a stager that stages in the background (ours do not).
             return getattr(response, "upload_completion", response)
-        dcp.save(state, storage_writer=writer, process_group=self.group)
         done: Future = Future()
-        done.set_result(None)
+        try:
+            dcp.save(state, storage_writer=writer, process_group=self.group)
+        except DCP_ERRORS as err:  # _commit raises it, as it does an async save's
+            done.set_exception(err)
+        else:
+            done.set_result(None)
         return done
 
     def _make_room(self, path: Path) -> None:
@@ -1205,6 +1209,10 @@ class Checkpointer:
                 logger.info(f"clearing {path} before saving there: it {reason}")
                 _remove(path)
             path.mkdir(parents=True)
+            # The folder's name on disk before its marker: retention deletes older checkpoints once it is committed,
+            # and a file system that does not order metadata could keep those deletions through a power loss and
+            # lose this folder.
+            fsync_folder(self.root)
             # Atomic, and on disk before DCP's shards and so before the marker: a crash never commits a checkpoint
             # with an empty or partial config.toml.
             write_atomic(path / CONFIG, lambda f: f.write(self._config_toml.encode()))
@@ -1242,7 +1250,7 @@ class Checkpointer:
         try:
             save.future.result()
         except DCP_ERRORS as err:  # not a CheckpointError: it is this rank's, and deserves its traceback
-            raise RuntimeError(f"saving checkpoint {save.path} failed: {err}") from err
+            raise RuntimeError(f"saving checkpoint {save.path} failed: {dcp_cause(err)}") from err
         if not self.info.is_main:
             return
         _test_crash("before_marker", save.step)

@@ -84,10 +84,10 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-    _fsync_folder(path.parent)  # the rename itself
+    fsync_folder(path.parent)  # the rename itself
 
 
-def _fsync_folder(path: Path) -> None:
+def fsync_folder(path: Path) -> None:
     """Put a folder's entries (files created, renamed or removed in it) on disk."""
     folder = os.open(path, os.O_RDONLY)
     try:
@@ -695,7 +695,7 @@ def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = N
                 b"and run prepare again\n")
         f.flush()
         os.fsync(f.fileno())
-    _fsync_folder(out)
+    fsync_folder(out)
     if _holds_shards(out):
         marker.unlink()
         raise ValueError(f"{out} already holds shards, which a reader would mix with the new ones; prepare into a "
@@ -724,7 +724,7 @@ def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = N
         raise
     # Every shard and sidecar is on disk already (write_atomic): only now may the folder pass for complete.
     marker.unlink()
-    _fsync_folder(out)
+    fsync_folder(out)
     return written
 
 

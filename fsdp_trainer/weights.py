@@ -14,6 +14,7 @@ head apart, so those rows are permuted on the way out (to_hf_rows) and back on t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -195,9 +196,25 @@ def _hf_tensor_files(folder: Path) -> dict[str, Path]:
         return files
     if not single.is_file():
         raise CheckpointError(f"hf:{folder}: has neither model.safetensors nor model.safetensors.index.json")
-    from safetensors import safe_open
-    with safe_open(str(single), "pt") as f:
+    with _safetensors(single) as f:
         return {name: single for name in f.keys()}
+
+
+@contextlib.contextmanager
+def _safetensors(file: Path) -> Iterator:
+    """safe_open(file) for the block, or a CheckpointError naming the file if safetensors is not installed or cannot
+    read it (in the block too): its own error names no file."""
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:
+        raise CheckpointError("checkpoint.init_from=hf:... needs safetensors: pip install safetensors "
+                              "(or fsdp_trainer[hf])") from None
+    try:
+        with safe_open(str(file), "pt") as f:
+            yield f
+    except (OSError, SafetensorError) as err:
+        raise CheckpointError(f"hf:{file.parent}: {file.name} cannot be read ({type(err).__name__}: {err}): it is cut "
+                              "short or damaged; download or export the model again") from None
 
 
 def _hf_rope(config: dict) -> tuple[float, dict]:
@@ -249,11 +266,6 @@ def _hf_full_tensors(folder: Path, args: ModelArgs,
                      shapes: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, torch.Tensor]]:
     """(our name, full tensor in our layout) for each parameter in `shapes` (our name -> full shape), one tensor
     in memory at a time; every shape is checked before the first tensor is read."""
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise CheckpointError("checkpoint.init_from=hf:... needs safetensors: pip install safetensors "
-                              "(or fsdp_trainer[hf])") from None
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"hf:{folder}: no config.json; expected a Hugging Face Llama model folder")
     _check_hf_config(folder, args)
@@ -269,7 +281,7 @@ def _hf_full_tensors(folder: Path, args: ModelArgs,
         if theirs[name] not in files:
             problems.append(f"{theirs[name]} is missing")
             continue
-        with safe_open(str(files[theirs[name]]), "pt") as f:
+        with _safetensors(files[theirs[name]]) as f:
             if theirs[name] not in f.keys():  # the index points at a file without it (a download cut short?)
                 problems.append(f"{theirs[name]} is not in {files[theirs[name]].name}, where the index says it is")
                 continue
@@ -281,7 +293,7 @@ def _hf_full_tensors(folder: Path, args: ModelArgs,
         raise CheckpointError(f"hf:{folder} does not fit this model: {'; '.join(problems[:3])}{more}; set the "
                               "--model.* flags to match its config.json")
     for name in shapes:
-        with safe_open(str(files[theirs[name]]), "pt") as f:
+        with _safetensors(files[theirs[name]]) as f:
             tensor = f.get_tensor(theirs[name])
         heads = _rope_heads(name, args)
         yield name, tensor if heads is None else from_hf_rows(tensor, heads)

@@ -1,6 +1,7 @@
 """Checkpoints: exact resume, resharding resume, crashes during saves, preemption, retention, async vs sync,
 export / import, errors. CPU and gloo; multi-rank runs are real torchrun jobs of a tiny model (about 10 s each)."""
 
+import copy
 import errno
 import json
 import os
@@ -22,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp_trainer import checkpoint as ck
@@ -31,7 +33,8 @@ from fsdp_trainer.models.llama import build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler
 from fsdp_trainer.train import build_model, main, run
 
-from helpers import TINY_FLAGS, TORCHRUN, checkout_env, run_ranks
+from helpers import TINY_FLAGS, TORCHRUN, checkout_env, run_ranks, tiny_config
+from test_own_model import GPT2, GPT2Block
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("fault_worker.py")
@@ -222,6 +225,61 @@ def test_saved_on_8_ranks_resumes_on_4(tmp_path):
     log = torchrun(4, four, "--train.steps", "6", "--checkpoint.resume", str(eight / "checkpoints/step_00000003"))
     assert "saved on 8 ranks, resuming on 4" in log
     assert_rows_equal(rows(four), rows(eight), range(4, 7), rel=1e-5)
+
+
+class DropoutGPT2(GPT2):
+    """The test GPT2 with dropout on its embedding's features, its rate drawn from Python's RNG and its mask from
+    torch's: one mask per forward, whatever the batch, so that what a rank draws does not depend on how many
+    samples it holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.masks: list[torch.Tensor] = []  # each forward's, to compare with another run's
+        self.wte.register_forward_hook(self._dropout)
+
+    def _dropout(self, module, inputs, embedded: torch.Tensor) -> torch.Tensor:
+        mask = F.dropout(embedded.new_ones(embedded.shape[-1]), p=random.uniform(0.2, 0.8))
+        self.masks.append(mask)
+        return embedded * mask
+
+
+def dropout_gpt2_fn(cfg):
+    model = DropoutGPT2()
+    # From here on each rank draws its own masks, as dropout under data parallelism does: a rank that resumed another
+    # rank's saved streams would draw that rank's.
+    torch.manual_seed(cfg.train.seed + 1 + dist.get_rank())
+    random.seed(cfg.train.seed + 1 + dist.get_rank())
+    return model, (GPT2Block,), []
+
+
+def train_dropout_gpt2(cfg) -> tuple[list[float], list[torch.Tensor]]:
+    """Worker: the trainer on DropoutGPT2; the losses logged, and this rank's dropout masks in order."""
+    result = run(cfg, distributed.init(60), model_fn=dropout_gpt2_fn)
+    return [row["loss"] for row in result["history"]], result["model"].masks
+
+
+def test_each_resumed_rank_continues_its_own_random_streams(tmp_path):
+    """A model drawing from torch's and Python's RNGs (dropout) resumed on the same world size: each rank continues
+    its own saved streams, and the losses are the uninterrupted run's, bit for bit. Resumed on one rank, that rank
+    continues saved rank 0's streams: its masks are rank 0's (its losses cannot be: it holds rank 1's samples too,
+    which rank 1 dropped out otherwise)."""
+    first = tiny_config(data={"source": "synthetic"}, train={"output_dir": str(tmp_path / "first"), "steps": 4},
+                        checkpoint={"interval": 2, "async_mode": "none"})
+    uninterrupted = run_ranks(train_dropout_gpt2, 2, first)
+    losses, masks = uninterrupted[0][0], [torch.stack(drawn) for _, drawn in uninterrupted]
+    assert len(losses) == len(masks[0]) == 4 and not masks[0][2:].equal(masks[1][2:])  # the ranks draw apart
+
+    same = copy.deepcopy(first)
+    same.train.output_dir = str(tmp_path / "same")
+    same.checkpoint.resume = str(ck.step_dir(tmp_path / "first" / "checkpoints", 2))
+    resumed = run_ranks(train_dropout_gpt2, 2, same)
+    assert resumed[0][0] == losses[2:]
+    assert all(torch.stack(drawn).equal(masks[rank][2:]) for rank, (_, drawn) in enumerate(resumed))
+
+    fewer = copy.deepcopy(same)
+    fewer.train.output_dir, fewer.train.micro_batch_size = str(tmp_path / "fewer"), 8  # the same global batch
+    [(_, drawn)] = run_ranks(train_dropout_gpt2, 1, fewer)
+    assert torch.stack(drawn).equal(masks[0][2:])
 
 
 # ------------------------------------------------------------------------------------------- one rank, in process
@@ -500,27 +558,30 @@ def test_export_of_a_checkpoint_without_its_config_names_it_and_writes_nothing(s
     assert ck.unusable_reason(step) is None
 
 
-def test_config_toml_is_on_disk_whole_before_the_marker_commits_the_checkpoint(tmp_path, monkeypatch):
+def test_config_toml_and_the_folder_are_on_disk_before_the_marker_commits_the_checkpoint(tmp_path, monkeypatch):
     """A crash, power loss included, must never commit a checkpoint with an empty or partial config.toml, export's
     only record of the model: the file gets its name only once whole and on disk, and that name is on disk before
-    the marker is written."""
+    the marker is written. So is the folder's own name in the checkpoint root: once committed, retention deletes
+    older checkpoints there, and a power loss could keep those deletions and lose the new folder."""
     step = tmp_path / "checkpoints" / "step_00000001"
-    synced = []  # (inode, whether config.toml had its name yet) of each fsync, in order
+    synced = []  # (inode, whether the step folder and config.toml had their names yet) of each fsync, in order
     real = os.fsync
 
     def fsync(fd: int) -> None:
-        synced.append((os.fstat(fd).st_ino, (step / ck.CONFIG).exists()))
+        synced.append((os.fstat(fd).st_ino, step.is_dir(), (step / ck.CONFIG).exists()))
         real(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
     train_in_process("--train.steps", "1", "--checkpoint.async_mode", "none", "--train.output_dir", str(tmp_path))
-    inodes = [inode for inode, _ in synced]
+    inodes = [inode for inode, _, _ in synced]
     config, marker = (step / ck.CONFIG).stat().st_ino, (step / ck.MARKER).stat().st_ino
     assert config in inodes, "config.toml's data never went to disk"
     first = inodes.index(config)
-    assert not synced[first][1], "config.toml had its name before its data was on disk"
+    assert not synced[first][2], "config.toml had its name before its data was on disk"
     assert step.stat().st_ino in inodes[first:inodes.index(marker)], "config.toml's name was not on disk before " \
         "the marker was written"
+    assert (step.parent.stat().st_ino, True) in [entry[:2] for entry in synced[:inodes.index(marker)]], \
+        "the step folder's name was not on disk before the marker was written"
 
 
 def test_hf_import_reads_rope_and_norm_settings_as_transformers_5_writes_them(tmp_path, monkeypatch):
@@ -1079,6 +1140,59 @@ def test_a_save_whose_writer_thread_failed_is_never_committed(tmp_path, monkeypa
         train_in_process("--train.steps", "2", "--checkpoint.async_mode", "none", "--checkpoint.write_threads", "2",
                          "--train.output_dir", str(out), *checksums)
     assert complete_steps(out / "checkpoints") == []
+
+
+@pytest.mark.parametrize("mode", ["none", "async"])
+def test_a_failed_save_names_its_cause_in_one_line(tmp_path, monkeypatch, mode):
+    """DCP's error holds every failing rank's traceback: the message names the first one's error, the traceback
+    stays in the chain."""
+    from torch.distributed.checkpoint import filesystem
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(filesystem, "_write_item", no_space)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError) as failed:
+        # One writer thread, DCP's own: its error is raised, where extra threads' are only printed.
+        train_in_process("--train.steps", "1", "--checkpoint.async_mode", mode, "--checkpoint.write_threads", "1",
+                         "--train.output_dir", str(out))
+    assert str(failed.value) == (f"saving checkpoint {ck.step_dir(out / 'checkpoints', 1)} failed: rank 0: OSError: "
+                                 "[Errno 28] No space left on device")
+    assert isinstance(failed.value.__cause__, ck.CheckpointException)
+
+
+@pytest.mark.parametrize("mode", ["none", "async", "async_pinned"])
+def test_async_saves_write_while_the_next_step_trains(tmp_path, monkeypatch, mode):
+    """The save of step 1 cannot write a byte until step 2 has begun: asynchronous modes train on meanwhile, where
+    a save that blocked training would wait for ever (30 s here). Saving synchronously, every write is done before
+    step 2."""
+    import fsdp_trainer.train as train
+    from torch.distributed.checkpoint import filesystem
+    real_write, real_step = filesystem._write_item, train.train_step
+    second_step, order = threading.Event(), []  # order: the folder of each write, "step <n>" as each step begins
+
+    def gated_write(transforms, stream, *args, **kwargs):
+        if mode != "none" and not second_step.wait(timeout=30):
+            second_step.set()  # the save blocks training: the other writes need not wait too, to fail below
+        result = real_write(transforms, stream, *args, **kwargs)
+        order.append(Path(stream.name).parent.name)
+        return result
+
+    def step(*args, **kwargs):
+        order.append(f"step {sum(e.startswith('step ') for e in order) + 1}")
+        if order[-1] == "step 2":
+            second_step.set()
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(filesystem, "_write_item", gated_write)
+    monkeypatch.setattr(train, "train_step", step)
+    train_in_process("--train.steps", "2", "--checkpoint.interval", "1", "--checkpoint.async_mode", mode,
+                     "--train.output_dir", str(tmp_path))
+    first_save = [i for i, entry in enumerate(order) if entry == "step_00000001"]
+    begun = order.index("step 2")
+    assert first_save and (max(first_save) < begun if mode == "none" else min(first_save) > begun), order
+    assert complete_steps(tmp_path / "checkpoints") == [1, 2]
 
 
 def test_on_the_saving_world_size_each_rank_checks_the_files_it_wrote_and_loads():

@@ -78,6 +78,27 @@ def test_an_index_pointing_at_a_shard_without_the_tensor_names_both(tmp_path):
         load_hf(folder, args)
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_safetensors_file_is_named_with_the_fix(tmp_path, damage, sharded):
+    """A download cut short, or another file under the name: safetensors' own error names neither the file nor what
+    to do."""
+    from safetensors import safe_open
+    args = tiny_args()
+    folder = hf_folder(tmp_path / "hf", args)
+    file = folder / "model.safetensors"
+    if sharded:
+        with safe_open(str(file), "pt") as f:
+            weight_map = dict.fromkeys(f.keys(), "model-00001-of-00001.safetensors")
+        file = file.rename(folder / "model-00001-of-00001.safetensors")
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    data = file.read_bytes()
+    file.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"not safetensors at all")
+    with pytest.raises(CheckpointError, match=re.escape(f"hf:{folder}: {file.name} cannot be read (SafetensorError: ")
+                       + r".*\): it is cut short or damaged; download or export the model again$"):
+        load_hf(folder, args)
+
+
 def test_hf_config_without_tie_word_embeddings_is_untied_as_in_transformers(tmp_path):
     """LlamaConfig's default is untied: its lm_head.weight is the output layer, which a tied model would drop."""
     folder = hf_folder(tmp_path / "hf", tiny_args(), tie_word_embeddings=None)
