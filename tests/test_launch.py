@@ -683,9 +683,9 @@ def test_slurm_stop_goes_through_scancel_when_this_nodes_relay_cannot_be_signall
 
 
 def test_slurm_sends_the_stop_through_scancel_again_while_srun_creates_its_step(tmp_path):
-    """No relay of this node can be signalled, and srun takes 12 s to create its step: the first scancel, 10 s into
+    """No relay of this node can be signalled, and srun takes 15 s to create its step: the first scancel, 10 s into
     the stop's wait, finds no task to signal; the second, 10 s later, reaches the relay."""
-    proc, log, record, done, calls = relay_job(tmp_path, "true", step_seconds=12)
+    proc, log, record, done, calls = relay_job(tmp_path, "true", step_seconds=15)
     code = end_relay_job(proc, record, done, timeout=60)
     assert code == 0 and record.read_text() == "USR1\n", log.read_text()
     assert calls.read_text().count("scancel --signal=USR1 77") == 2, calls.read_text()
