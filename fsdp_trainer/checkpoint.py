@@ -1151,6 +1151,8 @@ class Checkpointer:
                          time.perf_counter() - start)
             future.add_done_callback(lambda _: setattr(save, "finished", time.perf_counter()))
             self._pending, self._saved_step, self._last_save = save, progress.step, time.monotonic()
+            if self.mode == "none" and future.exception() is not None:
+                self._wait()  # raises its error: a save that failed is not logged as taken
             wait_note = f" (of which {waited:.2f} s waiting for the previous save)" if waited > 0.01 else ""
             logger.info(f"checkpoint step {progress.step} ({self.mode}): training blocked {save.blocked:.2f} s"
                         f"{wait_note}")

@@ -202,19 +202,32 @@ def _hf_tensor_files(folder: Path) -> dict[str, Path]:
 
 @contextlib.contextmanager
 def _safetensors(file: Path) -> Iterator:
-    """safe_open(file) for the block, or a CheckpointError naming the file if safetensors is not installed or cannot
-    read it (in the block too): its own error names no file."""
+    """safe_open(file) for the block, or a CheckpointError naming the file where safetensors is not installed, the
+    file cannot be opened, or safetensors finds it damaged (in the block too): safetensors' own errors name no file,
+    and it reports any failure to open one as "No such file or directory"."""
     try:
         from safetensors import SafetensorError, safe_open
     except ImportError:
         raise CheckpointError("checkpoint.init_from=hf:... needs safetensors: pip install safetensors "
                               "(or fsdp_trainer[hf])") from None
     try:
-        with safe_open(str(file), "pt") as f:
-            yield f
+        handle = safe_open(str(file), "pt")
     except (OSError, SafetensorError) as err:
-        raise CheckpointError(f"hf:{file.parent}: {file.name} cannot be read ({type(err).__name__}: {err}): it is cut "
-                              "short or damaged; download or export the model again") from None
+        try:
+            open(file, "rb").close()  # the real reason it cannot be opened (permissions, say), if that is it
+        except OSError as cause:
+            raise CheckpointError(f"hf:{file.parent}: {file.name} cannot be opened: {cause.strerror}") from None
+        raise _damaged(file, err) from None
+    with handle as f:
+        try:
+            yield f
+        except SafetensorError as err:
+            raise _damaged(file, err) from None
+
+
+def _damaged(file: Path, err: Exception) -> CheckpointError:
+    return CheckpointError(f"hf:{file.parent}: {file.name} cannot be read ({type(err).__name__}: {err}): it is cut "
+                           "short or its header is damaged; download or export the model again")
 
 
 def _hf_rope(config: dict) -> tuple[float, dict]:

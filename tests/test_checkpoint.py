@@ -1143,9 +1143,9 @@ def test_a_save_whose_writer_thread_failed_is_never_committed(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("mode", ["none", "async"])
-def test_a_failed_save_names_its_cause_in_one_line(tmp_path, monkeypatch, mode):
+def test_a_failed_save_names_its_cause_in_one_line(tmp_path, monkeypatch, capsys, mode):
     """DCP's error holds every failing rank's traceback: the message names the first one's error, the traceback
-    stays in the chain."""
+    stays in the chain. A synchronous save that failed is not logged as taken first."""
     from torch.distributed.checkpoint import filesystem
 
     def no_space(*args, **kwargs):
@@ -1160,6 +1160,7 @@ def test_a_failed_save_names_its_cause_in_one_line(tmp_path, monkeypatch, mode):
     assert str(failed.value) == (f"saving checkpoint {ck.step_dir(out / 'checkpoints', 1)} failed: rank 0: OSError: "
                                  "[Errno 28] No space left on device")
     assert isinstance(failed.value.__cause__, ck.CheckpointException)
+    assert (f"checkpoint step 1 ({mode}): training blocked" in capsys.readouterr().err) == (mode != "none")
 
 
 @pytest.mark.parametrize("mode", ["none", "async", "async_pinned"])

@@ -78,11 +78,11 @@ def test_an_index_pointing_at_a_shard_without_the_tensor_names_both(tmp_path):
         load_hf(folder, args)
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
-@pytest.mark.parametrize("damage", ["truncated", "garbage"])
-def test_a_damaged_safetensors_file_is_named_with_the_fix(tmp_path, damage, sharded):
+@pytest.mark.parametrize("damage,sharded", [("truncated", False), ("garbage", False), ("truncated", True),
+                                            ("garbage", True), ("unreadable", False)])
+def test_a_damaged_safetensors_file_is_named_with_the_fix(tmp_path, monkeypatch, damage, sharded):
     """A download cut short, or another file under the name: safetensors' own error names neither the file nor what
-    to do."""
+    to do. One that cannot be opened (another user's, say) is not called damaged."""
     from safetensors import safe_open
     args = tiny_args()
     folder = hf_folder(tmp_path / "hf", args)
@@ -92,10 +92,25 @@ def test_a_damaged_safetensors_file_is_named_with_the_fix(tmp_path, damage, shar
             weight_map = dict.fromkeys(f.keys(), "model-00001-of-00001.safetensors")
         file = file.rename(folder / "model-00001-of-00001.safetensors")
         (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    if damage == "unreadable":  # another user's download, say: safetensors says "No such file" whatever the reason
+        import safetensors
+
+        from fsdp_trainer import weights
+
+        def denied(*args, **kwargs):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(safetensors, "safe_open", lambda *args, **kwargs: (_ for _ in ()).throw(
+            FileNotFoundError(2, "No such file or directory")))
+        monkeypatch.setattr(weights, "open", denied, raising=False)
+        with pytest.raises(CheckpointError, match=re.escape(f"hf:{folder}: {file.name} cannot be opened: Permission "
+                                                            "denied") + "$"):
+            load_hf(folder, args)
+        return
     data = file.read_bytes()
     file.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"not safetensors at all")
     with pytest.raises(CheckpointError, match=re.escape(f"hf:{folder}: {file.name} cannot be read (SafetensorError: ")
-                       + r".*\): it is cut short or damaged; download or export the model again$"):
+                       + r".*\): it is cut short or its header is damaged; download or export the model again$"):
         load_hf(folder, args)
 
 
