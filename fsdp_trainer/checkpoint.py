@@ -1151,14 +1151,12 @@ class Checkpointer:
                          time.perf_counter() - start)
             future.add_done_callback(lambda _: setattr(save, "finished", time.perf_counter()))
             self._pending, self._saved_step, self._last_save = save, progress.step, time.monotonic()
-            if self.mode == "none" and future.exception() is not None:
-                self._wait()  # raises its error: a save that failed is not logged as taken
+            if self.mode == "none":
+                self._wait()  # commits it, or raises its error before it could be logged as taken
             wait_note = f" (of which {waited:.2f} s waiting for the previous save)" if waited > 0.01 else ""
             logger.info(f"checkpoint step {progress.step} ({self.mode}): training blocked {save.blocked:.2f} s"
                         f"{wait_note}")
             _test_crash("staged", progress.step)
-            if self.mode == "none":
-                self._wait()
 
     def _saves_planned(self) -> bool:
         """Whether this run saves other than on a stop signal."""
