@@ -78,7 +78,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fsdp_trainer.config import Config, ConfigError, checkpoint_root, from_dict, mesh_shape, to_toml
 from fsdp_trainer.data import fsync_folder, samples_per_step, write_atomic
 from fsdp_trainer.distributed import DistInfo, logger
-from fsdp_trainer.faults import Watchdog
+from fsdp_trainer.faults import BACKSTOP_S, Watchdog
 from fsdp_trainer.models.llama import model_args_from_config
 
 MARKER = "trainer_state.json"
@@ -325,8 +325,24 @@ def load_dcp(state: dict, path: Path, group: Optional[dist.ProcessGroup], fix: s
             dcp.load(state, checkpoint_id=str(path), process_group=group)
     except DCP_ERRORS as err:  # DCP gathers every rank's read errors and raises them on all ranks
         short = _short_files(path)
+        if not short and _lost_a_peer(err):
+            raise CheckpointError(f"checkpoint {path} could not be read ({dcp_cause(err)}): a rank stopped answering "
+                                  "while the ranks loaded it (stuck in its reads, or gone: the watchdog's report "
+                                  "names it); the files are not at fault. Resume again once that rank's storage and "
+                                  "host are healthy") from err
         found = "; ".join(short) if short else "a file is corrupt or truncated"
         raise CheckpointError(f"checkpoint {path} could not be read ({dcp_cause(err)}): {found}; {fix}") from err
+
+
+_PEER_LOST = re.compile(r"timed out|connection (closed|reset|refused)|broken pipe|NCCL", re.IGNORECASE)
+
+
+def _lost_a_peer(err: BaseException) -> bool:
+    """Whether a load failed in its collectives, not in the files: gloo's timeouts and lost connections are plain
+    RuntimeErrors, told apart only by their text."""
+    failures = getattr(err, "failures", None)
+    first = min(failures.items())[1][0] if failures else err
+    return isinstance(first, dist.DistError) or bool(_PEER_LOST.search(str(first)))
 
 
 def _short_files(path: Path) -> list[str]:
@@ -368,8 +384,27 @@ class _SummingStream:
         return getattr(self._stream, name)
 
 
-class _SummingFileSystem(FileSystem):
-    """DCP's local file system, keeping the size and CRC32 of each file written through it, by its name."""
+class _WatchedFileSystem(FileSystem):
+    """DCP's local file system, keeping every error raised while a file was opened or written through it, with the
+    file: torch only prints those of its extra writer threads (checkpoint.write_threads but the first), and a
+    write's OSError names no file."""
+
+    def __init__(self):
+        super().__init__()
+        self.failures: list[tuple[str, Exception]] = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except Exception as err:
+            self.failures.append((str(path), err))  # one append: atomic, however many threads fail at once
+            raise
+
+
+class _SummingFileSystem(_WatchedFileSystem):
+    """_WatchedFileSystem, also keeping the size and CRC32 of each file written through it, by its name."""
 
     def __init__(self):
         super().__init__()
@@ -384,38 +419,54 @@ class _SummingFileSystem(FileSystem):
 
 
 class CheckpointWriter(dcp.FileSystemWriter):
-    """DCP's file writer, refusing to report a rank's shard written when a writer thread failed (torch only prints
-    such a thread's error, and the checkpoint would be committed without that thread's tensors), and with
-    `checksums`, recording the size and CRC32 of every file: DCP keeps none, so a shard changed on storage after
-    the save (a flipped bit, a copy cut short) would load without a word. Each rank sums its files as its writer
-    threads write them (an async save's background threads), and the sums travel to the coordinator with DCP's own
-    write results. There, `sums` holds every file's once the save is done."""
+    """DCP's file writer. A save fails with the first error any of its writer threads hit, naming the file: torch
+    raises only the first thread's, prints the others', and would commit the checkpoint without their tensors.
+    With `checksums`, it records the size and CRC32 of every file: DCP keeps none, so a shard changed on storage
+    after the save (a flipped bit, a copy cut short) would load without a word. Each rank sums its files as its
+    writer threads write them (an async save's background threads), and the sums travel to the coordinator with
+    DCP's own write results. There, `sums` holds every file's once the save is done."""
 
     def __init__(self, path: str, thread_count: int, checksums: bool):
         # fsync stays on: the completion marker must never reach the disk before the shards it vouches for.
         super().__init__(path, thread_count=thread_count, sync_files=True)
         self.checksums = checksums
-        self.fs = _SummingFileSystem() if checksums else self.fs
+        self.fs = _SummingFileSystem() if checksums else _WatchedFileSystem()
         self.sums: dict[str, list[int]] = {}
 
     def reset(self, checkpoint_id=None) -> None:
         super().reset(checkpoint_id)
         self.sums = {}
+        self.fs.failures = []
         if self.checksums:
             self.fs.sums = {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
-        written = super().write_data(plan, planner)
+        try:
+            written = super().write_data(plan, planner)  # the first thread's error comes out here, the others' not
+        except Exception:
+            self._raise_first_failure()
+            raise
         results = written.wait()  # FileSystemWriter has written when it returns
         if len(results) != len(plan.items):
+            self._raise_first_failure()
             raise RuntimeError(f"{len(plan.items) - len(results)} of this rank's {len(plan.items)} tensors were not "
-                               "written: a writer thread failed (its error is printed above)")
+                               "written: a writer thread failed outside its file (its error is printed above)")
         if not self.checksums:
             return written
         carrying: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         carrying.set_result([replace(r, storage_data=(r.storage_data, self.fs.sums[r.storage_data.relative_path]))
                              for r in results])
         return carrying
+
+    def _raise_first_failure(self) -> None:
+        """Raise the first error a writer thread hit in a file, if any, so that a failed save reads the same
+        whichever thread failed. An OSError of a write names no file: it is raised again naming it, as open()'s do."""
+        if not self.fs.failures:
+            return
+        path, err = self.fs.failures[0]
+        if isinstance(err, OSError) and err.filename is None and err.errno is not None:
+            raise OSError(err.errno, err.strerror, path) from err  # OSError() picks the subclass of the errno
+        raise err
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if not self.checksums:
@@ -843,7 +894,9 @@ class Checkpointer:
         # (from a background thread while an async save is in flight), the votes on the other, so the two never
         # interleave, and neither touches the training's (NCCL) default group. The long start-up timeout, not
         # the short one of training steps: a rank may wait here for the slowest rank's write of a large model.
-        timeout = datetime.timedelta(seconds=cfg.dist.init_timeout_s)
+        # Behind it by the watchdog's backstop, as every group is: a rank waiting in the restore for one stuck in
+        # its reads must not end before the watchdog names that rank.
+        timeout = datetime.timedelta(seconds=cfg.dist.init_timeout_s + BACKSTOP_S)
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.votes = Votes(dist.new_group(backend="gloo", timeout=timeout))
         self.signals = signals or StopSignals(info.rank)

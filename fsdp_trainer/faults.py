@@ -2,16 +2,17 @@
 non-finite steps that are never applied, and out-of-memory reports.
 
 A dead rank is noticed by torchrun, which stops the others within seconds. A *hung* rank is the hard case: the
-others wait in their next collective for as long as its timeout. Every rank therefore runs a watchdog thread.
-When its own step has not finished for `init_timeout_s` (until the first step is done, which includes
-compilation) or `timeout_s` (afterwards), it writes to the c10d store (a TCP side channel that works while the
-collectives do not) its last finished step and whether its main thread waits (in a collective or a GPU sync) or is
-busy elsewhere, and raises an alarm there. Every other rank's watchdog answers the alarm with its own report, at
-once: a stalled rank's last step ends one step before the others' when it stalls after the step's last
+others wait in their next collective for as long as its timeout. Every rank therefore runs a watchdog thread. When
+its own step has not finished for `init_timeout_s` (until the first step is done, which includes the restore of a
+checkpoint and compilation) or `timeout_s` (afterwards), it writes to the c10d store (a TCP side channel that works
+while the collectives do not) its last finished step and whether its main thread waits (in a collective or a GPU
+sync) or is busy elsewhere, and raises an alarm there. Every other rank's watchdog answers the alarm with its own
+report, at once: a stalled rank's last step ends one step before the others' when it stalls after the step's last
 collective, so the others time out a whole step later, and would be taken for dead had the first one waited for
 their own timeouts. It then reads the reports, names the suspects, and exits the process. A rank in a checkpoint
-save does not time out, but says so in the same place, so that it is not taken for a dead one. Nothing is written
-per step: the training loop pays nothing.
+save does not time out, but says so in the same place, so that it is not taken for a dead one. A rank restoring a
+checkpoint does time out (were every rank's storage down, none would ever report), and is named as restoring.
+Nothing is written per step: the training loop pays nothing.
 """
 
 from __future__ import annotations
@@ -46,9 +47,14 @@ REPORT = f"fsdp_trainer/stalled/{_ATTEMPT}/{{}}"
 ALARM = f"fsdp_trainer/stalled/{_ATTEMPT}/alarm"  # set by the first watchdog to time out: the others report at once
 # What a rank does while its watchdog is paused, as its report says.
 CHECKPOINTING, WRITING_PROFILE = "checkpointing", "writing a profile"
+# What a rank busy in watched work does (Watchdog.doing), as its report says.
+RESTORING = "restoring a checkpoint"
 # Calls whose line, as the innermost frame of a stalled main thread, means it waits for the GPU (which may wait for
 # a peer in a collective) or for a collective of its own. Python cannot see which C call a frame is in.
 _WAITS = (".item()", ".tolist()", "synchronize(", ".wait()")
+# DCP's file storage reads and writes files and calls no collective: a main thread inside it does I/O (on a rank whose
+# storage hangs, say), not a wait for a peer, though torch.distributed is on its stack.
+_DCP_STORAGE = os.path.join("torch", "distributed", "checkpoint", "filesystem.py")
 
 
 # Where NCCL writes its flight-recorder dumps, <prefix><rank>: torch reads the prefix from the first of these set.
@@ -87,7 +93,8 @@ def _dump_flight_recorder(rank: int) -> Optional[Path]:
 
 
 class Watchdog:
-    """Ends this process when it makes no progress for the timeout, after saying which ranks are behind."""
+    """Ends this process when it makes no progress for the timeout, after saying which ranks are behind. Watches
+    from its creation until stop(), or the end of a `with` block on it."""
 
     def __init__(self, rank: int, world_size: int, init_timeout_s: float, timeout_s: float, mesh: DeviceMesh):
         self.rank, self.world_size = rank, world_size
@@ -102,6 +109,7 @@ class Watchdog:
         self.step, self.timeout, self.steady = 0, init_timeout_s, False
         self.last_progress = time.monotonic()
         self.paused_for: tuple[str, ...] = ()  # what this rank does meanwhile (replaced whole: read by _watch)
+        self.doing_now: Optional[str] = None  # set by doing()
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="fsdp_trainer-watchdog", daemon=True)
         self.thread.start()
@@ -119,6 +127,17 @@ class Watchdog:
             dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
     @contextmanager
+    def doing(self, activity: str):
+        """For work whose time counts, as a step's does: the restore of a checkpoint (RESTORING). If this rank is
+        busy in it when a deadline passes, not waiting in a collective, its report names the activity. Not a pause:
+        were every rank stuck in it (their storage down), no other watchdog would end the job."""
+        self.doing_now = activity
+        try:
+            yield
+        finally:
+            self.doing_now = None
+
+    @contextmanager
     def paused(self, activity: str = CHECKPOINTING):
         """For work that may legitimately take long without steps: checkpoint saves, writing a profile.
         Meanwhile this rank's report says what it does (see _watch and report)."""
@@ -131,6 +150,12 @@ class Watchdog:
 
     def stop(self) -> None:
         self.stopped.set()
+
+    def __enter__(self) -> Watchdog:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
 
     def _watch(self) -> None:
         poll = min(5.0, self.timeout_s / 4)
@@ -175,6 +200,8 @@ class Watchdog:
             # Under NCCL the CPU of a rank whose peer hangs is stopped by its GPU (in the autograd engine, or
             # launching into a full queue), not in a wait of its own: its GPU is what waits, in a collective.
             state = "waiting"
+        if state == "busy" and self.doing_now:
+            state = self.doing_now
         return state, location
 
     def _publish_report(self, state: str, location: str, within_timeout: bool) -> None:
@@ -236,13 +263,14 @@ class Watchdog:
     def _unreachable(self, err: BaseException, state: str, location: str) -> str:
         """This rank's own report, for when the others' cannot be read."""
         waited = time.monotonic() - self.last_progress
-        where = "waiting in a collective or GPU sync" if state == "waiting" else "busy"
+        where = "waiting in a collective or GPU sync" if state == "waiting" else state
         return (f"rank {self.rank}: no progress for {waited:.0f} s after step {self.step} ({where}, at {location}), "
                 f"and the c10d store (on the rendezvous host) cannot be reached ({err}), so the other ranks' reports "
                 "cannot be read: the job's head node or rank 0 is down, or its network is")
 
     def report(self) -> str:
-        """Which ranks to suspect: behind the others, busy outside any collective or GPU sync, or silent."""
+        """Which ranks to suspect: behind the others, busy outside any collective or GPU sync (restoring a
+        checkpoint, writing a profile, or elsewhere), or silent; and which of the others wait."""
         waited = time.monotonic() - self.last_progress
         reports = {}
         for r in range(self.world_size):
@@ -261,6 +289,8 @@ class Watchdog:
                 suspects[r] = "sent no report: dead, or its host is unreachable"
             elif report[1] == WRITING_PROFILE:  # behind, and why: the others wait for it in their next step
                 suspects[r] = f"still writing its profile, at {report[2]}; profile fewer steps (profile.steps)"
+            elif report[1] == RESTORING:  # before any step: no rank is behind, the others wait for it in the restore
+                suspects[r] = f"still restoring a checkpoint, at {report[2]}; check its storage"
             elif report[0] < high:
                 suspects[r] = f"finished step {report[0]} while others finished step {high}"
             # Busy: a suspect, unless a rank behind explains the stall and this one, answering the alarm within its
@@ -269,24 +299,41 @@ class Watchdog:
                 suspects[r] = f"busy outside any collective or GPU sync, at {report[2]}"
         if suspects:
             verdict = "suspect rank(s): " + "; ".join(f"{r} ({why})" for r, why in sorted(suspects.items()))
+            waiting = [r for r, report in reports.items() if r not in suspects and report[1] == "waiting"]
+            if waiting:
+                verdict += f". Rank(s) {_spans(waiting)} wait in a collective or GPU sync"
         else:
             verdict = (f"every rank finished step {high} and waits in a collective, a GPU sync or a checkpoint "
                        "save: a communication problem; run `python -m fsdp_trainer.doctor` on these nodes")
+        slow, flag = (("steps are", "dist.timeout_s") if self.steady else
+                      ("start-up (a restore, compilation, the first step) is", "dist.init_timeout_s"))
         return (f"rank {self.rank}: no progress for {waited:.0f} s (timeout {self.timeout:.0f} s); {verdict}. "
-                "If steps are legitimately this slow, raise dist.timeout_s.")
+                f"If {slow} legitimately this slow, raise {flag}.")
+
+
+def _spans(ranks: list[int]) -> str:
+    """Ascending ranks as runs, "0-3, 5, 7-8": a job of thousands of ranks fits a line."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{first}-{last}" if last > first else str(first) for first, last in runs)
 
 
 def _main_thread_location() -> tuple[str, str]:
-    """("waiting" (in torch.distributed, or in a call of _WAITS) or "busy", innermost frame) of this process's
-    main thread."""
+    """("waiting" (in torch.distributed, but not in DCP's file storage, or in a call of _WAITS) or "busy",
+    innermost frame) of this process's main thread."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     stack = traceback.extract_stack(frame) if frame else []
     if not stack:
         return "busy", "unknown"
     # Only what the training loop called counts (torchrun's error-recording wrapper sits above it).
     loop = max((i for i, f in enumerate(stack) if f.filename.endswith(f"fsdp_trainer{os.sep}train.py")), default=-1)
+    in_storage = any(f.filename.endswith(_DCP_STORAGE) for f in stack[loop + 1:])
     last = stack[-1]
-    waiting = (any(f"torch{os.sep}distributed" in f.filename for f in stack[loop + 1:])
+    waiting = ((not in_storage and any(f"torch{os.sep}distributed" in f.filename for f in stack[loop + 1:]))
                or any(call in (last.line or "") for call in _WAITS))
     return "waiting" if waiting else "busy", f"{last.name} ({Path(last.filename).name}:{last.lineno})"
 

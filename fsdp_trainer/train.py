@@ -42,8 +42,8 @@ from fsdp_trainer.config import (Config, ConfigError, check_block_counts, check_
 from fsdp_trainer.data import (DataError, build_dataloader, build_dataset, check_enough_samples, samples_per_step,
                                stop_workers)
 from fsdp_trainer.distributed import logger
-from fsdp_trainer.faults import (NonFiniteError, NonFiniteGuard, Watchdog, describe_oom, enable_flight_recorder,
-                                  requested_bytes)
+from fsdp_trainer.faults import (RESTORING, NonFiniteError, NonFiniteGuard, Watchdog, describe_oom,
+                                  enable_flight_recorder, requested_bytes)
 from fsdp_trainer.loss import compiled_cross_entropy, cross_entropy
 from fsdp_trainer.metrics import GiB, Metrics, PhaseTimer, environment, write_run_info
 from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
@@ -196,73 +196,75 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     if dataset is None:  # main() built it before the process group, to fail fast
         dataset = build_dataset(cfg.data, t.seq_len, model_args_from_config(cfg.model).vocab_size)
     ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, signals, data=dataset.identity())
-    progress = ckpt.restore()
-    follow_current_schedule(scheduler, cfg.optim)
-    # A skipped step is numbered, and counted toward max_skipped_steps, in the whole run, not since this resume.
-    guard = NonFiniteGuard(device, t.on_nonfinite, t.max_skipped_steps, progress.step, progress.skipped_steps,
-                           scaler)
-    if progress.step >= t.steps:
-        logger.info(f"step {progress.step} of train.steps={t.steps} is done already: nothing to train "
-                    "(raise --train.steps to continue)")
-        return {"step": progress.step, "history": [], "model": model, "optimizer": optimizer}
-    loader = build_dataloader(dataset, num_workers=cfg.data.num_workers, micro_batch_size=t.micro_batch_size,
-                              grad_accum_steps=t.grad_accum_steps, dp_rank=info.rank, dp_size=info.world_size,
-                              start_sample=progress.consumed_samples, device_type=device.type)
-    batches = iter(loader)
+    # Watching from here on, the restore included: a rank stuck in it is named, and the others stop, within
+    # dist.init_timeout_s. The `with` stops the watchdog's thread however the set-up below ends.
+    with Watchdog(info.rank, info.world_size, cfg.dist.init_timeout_s, cfg.dist.timeout_s, mesh) as watchdog:
+        with watchdog.doing(RESTORING):
+            progress = ckpt.restore()
+        follow_current_schedule(scheduler, cfg.optim)
+        # A skipped step is numbered, and counted toward max_skipped_steps, in the whole run, not since this resume.
+        guard = NonFiniteGuard(device, t.on_nonfinite, t.max_skipped_steps, progress.step, progress.skipped_steps,
+                               scaler)
+        if progress.step >= t.steps:
+            logger.info(f"step {progress.step} of train.steps={t.steps} is done already: nothing to train "
+                        "(raise --train.steps to continue)")
+            return {"step": progress.step, "history": [], "model": model, "optimizer": optimizer}
+        loader = build_dataloader(dataset, num_workers=cfg.data.num_workers, micro_batch_size=t.micro_batch_size,
+                                  grad_accum_steps=t.grad_accum_steps, dp_rank=info.rank, dp_size=info.world_size,
+                                  start_sample=progress.consumed_samples, device_type=device.type)
+        batches = iter(loader)
 
-    if info.is_main:
-        write_run_info(output_dir, to_toml(cfg), environment(device, info.world_size, mesh.mesh.shape))
-        name = cfg.model.name if args is not None else _class_name(model)
-        logger.info(f"model {name}: {num_params / 1e6:,.1f}M parameters | mesh "
-                    f"{dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))} | {param_dtype} compute | "
-                    f"global batch {global_batch} x {t.seq_len} tokens | ac {cfg.ac.mode}")
-    metrics = Metrics(device=device, total_steps=t.steps, tokens_per_step=global_batch * t.seq_len,
-                      world_size=info.world_size, flops_per_token=flops_per_token(model, args, t.seq_len, num_params),
-                      output_dir=output_dir, tensorboard=cfg.metrics.tensorboard, is_main=info.is_main)
-    profiler = StepProfiler(cfg.profile.steps, cfg.profile.memory_snapshot, output_dir, info.rank, device,
-                            history_on=cfg.memory.oom_snapshot and device.type == "cuda")
-    metrics.start(progress.step)
-    profiler.start(progress.step + 1)
-    rows_file = start_rows_file(output_dir, progress.step) if info.is_main else None
-    # Last before the loop's try: its thread must not outlive a failure in the set-up above.
-    watchdog = Watchdog(info.rank, info.world_size, cfg.dist.init_timeout_s, cfg.dist.timeout_s, mesh)
-    history, memory_compared = [], memory_plan is None
-    try:
-        with ckpt.training(watchdog, before_save=guard.check), scheduled_gc(t.gc_every) as collect_garbage:
-            while progress.step < t.steps:
-                profiler.before(progress.step + 1)
-                metrics.phases.begin_step()
-                lr = optimizer.param_groups[0]["lr"]  # the rate this step applies (train_step advances it)
-                loss, grad_norm = train_step(model, optimizer, scheduler, batches, cfg, scaler, device, guard,
-                                             metrics.phases)
-                progress.advance(global_batch, t.seq_len)
-                profiler.after(progress.step, watchdog.paused)
-                watchdog.beat(progress.step)
-                collect_garbage(progress.step)
-                if progress.step % t.log_every == 0 or progress.step == t.steps:
-                    extra = {"consumed_samples": progress.consumed_samples, "skipped_steps": guard.check()}
-                    if not memory_compared and progress.step >= 2:  # the plan is of steps with AdamW state
-                        extra.update(planned_vs_measured(memory_plan, device))
-                        memory_compared = True
-                    row = metrics.log(progress.step, mean_over_ranks(loss, info.world_size), grad_norm.item(),
-                                      lr, extra=extra)
-                    history.append({"step": progress.step, **row})
-                    append_row(rows_file, history[-1])
-                if ckpt.after_step(progress):  # saves when due; True once the ranks agreed to stop on a signal
-                    break
-            ckpt.finish(progress)
-    except torch.OutOfMemoryError as err:
-        remedy = memory_plan and remedy_after_oom(cfg, memory_plan, requested_bytes(err))
-        top = remedy.describe() if remedy else None
-        snapshots = output_dir / "memory" if cfg.memory.oom_snapshot else None
-        logger.error(describe_oom(err, info.rank, device, memory_plan and memory_plan.predicted_peak_bytes, top,
-                                  snapshots))
-        raise SystemExit(1) from None
-    finally:
-        watchdog.stop()
-        profiler.close()
-        metrics.close()
-        stop_workers(batches)
+        if info.is_main:
+            write_run_info(output_dir, to_toml(cfg), environment(device, info.world_size, mesh.mesh.shape))
+            name = cfg.model.name if args is not None else _class_name(model)
+            logger.info(f"model {name}: {num_params / 1e6:,.1f}M parameters | mesh "
+                        f"{dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))} | {param_dtype} compute | "
+                        f"global batch {global_batch} x {t.seq_len} tokens | ac {cfg.ac.mode}")
+        metrics = Metrics(device=device, total_steps=t.steps, tokens_per_step=global_batch * t.seq_len,
+                          world_size=info.world_size, output_dir=output_dir, is_main=info.is_main,
+                          flops_per_token=flops_per_token(model, args, t.seq_len, num_params),
+                          tensorboard=cfg.metrics.tensorboard)
+        profiler = StepProfiler(cfg.profile.steps, cfg.profile.memory_snapshot, output_dir, info.rank, device,
+                                history_on=cfg.memory.oom_snapshot and device.type == "cuda")
+        metrics.start(progress.step)
+        profiler.start(progress.step + 1)
+        rows_file = start_rows_file(output_dir, progress.step) if info.is_main else None
+        history, memory_compared = [], memory_plan is None
+        try:
+            with ckpt.training(watchdog, before_save=guard.check), scheduled_gc(t.gc_every) as collect_garbage:
+                while progress.step < t.steps:
+                    profiler.before(progress.step + 1)
+                    metrics.phases.begin_step()
+                    lr = optimizer.param_groups[0]["lr"]  # the rate this step applies (train_step advances it)
+                    loss, grad_norm = train_step(model, optimizer, scheduler, batches, cfg, scaler, device, guard,
+                                                 metrics.phases)
+                    progress.advance(global_batch, t.seq_len)
+                    profiler.after(progress.step, watchdog.paused)
+                    watchdog.beat(progress.step)
+                    collect_garbage(progress.step)
+                    if progress.step % t.log_every == 0 or progress.step == t.steps:
+                        extra = {"consumed_samples": progress.consumed_samples, "skipped_steps": guard.check()}
+                        if not memory_compared and progress.step >= 2:  # the plan is of steps with AdamW state
+                            extra.update(planned_vs_measured(memory_plan, device))
+                            memory_compared = True
+                        row = metrics.log(progress.step, mean_over_ranks(loss, info.world_size), grad_norm.item(),
+                                          lr, extra=extra)
+                        history.append({"step": progress.step, **row})
+                        append_row(rows_file, history[-1])
+                    if ckpt.after_step(progress):  # saves when due; True once the ranks agreed to stop on a signal
+                        break
+                ckpt.finish(progress)
+        except torch.OutOfMemoryError as err:
+            remedy = memory_plan and remedy_after_oom(cfg, memory_plan, requested_bytes(err))
+            top = remedy.describe() if remedy else None
+            snapshots = output_dir / "memory" if cfg.memory.oom_snapshot else None
+            logger.error(describe_oom(err, info.rank, device, memory_plan and memory_plan.predicted_peak_bytes, top,
+                                      snapshots))
+            raise SystemExit(1) from None
+        finally:
+            profiler.close()
+            metrics.close()
+            stop_workers(batches)
     return {"step": progress.step, "history": history, "model": model, "optimizer": optimizer, "scaler": scaler}
 
 

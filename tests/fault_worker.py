@@ -7,16 +7,19 @@ while the other ranks go on as they do under NCCL, whose steps only queue GPU wo
 next wait in the stop/save vote or a save); stall_slow (the same, where the other ranks' steps take 3 s each,
 as a large model's would); term (SIGTERM to itself as the step begins, as from a scheduler).
 preempt: SIGUSR1 while the model is built, before the first step. slow_profile: writing the profile's trace takes
-<step> seconds longer.
+<step> seconds longer. hang_restore: reading a checkpoint's files hangs (<step> unused), as on hung storage: a resume
+hangs in the restore.
 """
 
 import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from fsdp_trainer import train
 
@@ -67,7 +70,20 @@ def slow_export(self, path):
     return real_export(self, path)
 
 
+real_create_stream = FileSystem.create_stream
+
+
+@contextmanager
+def hung_reads(self, path, mode):
+    if "r" in mode and chosen:
+        time.sleep(3600)
+    with real_create_stream(self, path, mode) as stream:
+        yield stream
+
+
 if fault == "slow_profile":
     torch.profiler.profile.export_chrome_trace = slow_export
+if fault == "hang_restore":
+    FileSystem.create_stream = hung_reads
 train.train_step, train.build_model = faulty_step, build_model_preempted
 train.main(train_flags)

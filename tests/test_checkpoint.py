@@ -18,6 +18,7 @@ import warnings
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -292,6 +293,33 @@ def small(tmp_path_factory) -> Path:
                      "--train.output_dir", str(out))
     assert complete_steps(out / "checkpoints") == [2, 4]
     return out
+
+
+def test_a_checkpoint_counts_the_tokens_of_the_samples_it_consumed(small):
+    """tokens_seen, which a resume reports, is the samples consumed x train.seq_len: 2 samples of 32 tokens a step."""
+    for step in (2, 4):
+        state = ck.read_trainer_state(ck.step_dir(small / "checkpoints", step))
+        assert (state["consumed_samples"], state["tokens_seen"]) == (2 * step, 2 * step * 32), step
+
+
+def test_a_resume_restores_the_loss_scaler(tmp_path):
+    """float16's GradScaler comes back with the scale it had and its count of steps since the last overflow (which
+    decides when the scale next grows), not at a fresh scaler's 2**16 and 0."""
+    cfg = parse_args([*TINY, "--train.output_dir", str(tmp_path), "--checkpoint.async_mode", "none"])
+    saved, restored = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    saved.load_state_dict({**saved.state_dict(), "scale": 1024.0, "_growth_tracker": 7})
+    with one_rank() as info:
+        def checkpointer(scaler) -> ck.Checkpointer:
+            model, _ = build_model(cfg, distributed.build_mesh("cpu", 1, 1), info.device)
+            optimizer = build_optimizer(model, cfg.optim, info.device)
+            scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+            return ck.Checkpointer(cfg, info, model, optimizer, scheduler, scaler)
+
+        saving = checkpointer(saved)
+        saving.restore()
+        saving.finish(ck.Progress(step=2, consumed_samples=4, tokens_seen=128))
+        assert checkpointer(restored).restore().step == 2
+    assert (restored.get_scale(), restored._get_growth_tracker()) == (1024.0, 7)
 
 
 def test_async_and_sync_saves_hold_the_same_tensors(small, tmp_path):
@@ -1122,23 +1150,76 @@ def test_an_interrupt_while_a_checkpoint_loads_stops_its_check_at_once(small, mo
     assert 0 < done == len(reads)
 
 
-@pytest.mark.parametrize("checksums", [[], ["--checkpoint.no_checksums"]], ids=["checksums", "no_checksums"])
-def test_a_save_whose_writer_thread_failed_is_never_committed(tmp_path, monkeypatch, checksums):
-    """torch only prints the error of a failed writer thread (one of checkpoint.write_threads but the first), and
-    DCP would commit a checkpoint without that thread's tensors, whose sums all match."""
-    from torch.distributed.checkpoint import filesystem
-    real = filesystem._write_item
+def fail_in_an_extra_writer_thread(monkeypatch, owner, name: str, error_for: Callable[..., Optional[Exception]]):
+    """Make owner.<name>, which DCP's writer threads call, raise error_for(*its arguments) (None: no error for
+    that call) in the extra threads torch starts (checkpoint.write_threads but the first). DCP's own thread waits
+    in such a call for an extra thread's failure, so that it cannot take every file before an extra thread takes
+    one."""
+    real, failed = getattr(owner, name), threading.Event()
 
-    def fails_off_the_main_thread(*args, **kwargs):
-        if threading.current_thread() is not threading.main_thread():
-            raise OSError(errno.ENOSPC, "No space left on device")
+    def faulty(*args, **kwargs):
+        error = error_for(*args)
+        if error is not None:
+            if "_write_files_from_queue" in threading.current_thread().name:  # the name of torch's extra threads
+                failed.set()
+                raise error
+            assert failed.wait(timeout=30), "no extra writer thread took a file"
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(filesystem, "_write_item", fails_off_the_main_thread)
+    monkeypatch.setattr(owner, name, faulty)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("mode,checksums,fault", [
+    ("none", [], "write ENOSPC"), ("async", [], "open EACCES"),
+    ("none", ["--checkpoint.no_checksums"], "open EACCES"), ("async", ["--checkpoint.no_checksums"], "write ENOSPC")],
+    ids=["sync-checksums-ENOSPC", "async-checksums-EACCES", "sync-no_checksums-EACCES", "async-no_checksums-ENOSPC"])
+def test_a_failed_extra_writer_thread_is_named_in_one_line_and_never_committed(small, tmp_path, monkeypatch, mode,
+                                                                               checksums, fault):
+    """torch only prints the error of a writer thread other than the first, and without our check DCP would commit
+    a checkpoint lacking that thread's tensors: the save fails with one line naming the error and its file, as one
+    of the first thread does, and the earlier checkpoints stay as they were. A write's OSError names no file of
+    its own; an open's does."""
+    from torch.distributed.checkpoint import filesystem
     out = tmp_path / "run"
-    with pytest.raises(BaseException, match="tensors were not written: a writer thread failed"):
-        train_in_process("--train.steps", "2", "--checkpoint.async_mode", "none", "--checkpoint.write_threads", "2",
+    shutil.copytree(small / "checkpoints", out / "checkpoints")
+    before = tree(out / "checkpoints")
+    failing = ck.step_dir(out / "checkpoints", 5)
+    if fault == "write ENOSPC":
+        fail_in_an_extra_writer_thread(
+            monkeypatch, filesystem, "_write_item", lambda transforms, stream, *rest:
+            OSError(errno.ENOSPC, "No space left on device") if Path(stream.name).parent == failing else None)
+        cause = r"OSError: \[Errno 28\] No space left on device"
+    else:
+        fail_in_an_extra_writer_thread(
+            monkeypatch, filesystem.FileSystem, "create_stream", lambda fs, path, mode:
+            PermissionError(errno.EACCES, "Permission denied", str(path)) if Path(path).parent == failing else None)
+        cause = r"PermissionError: \[Errno 13\] Permission denied"
+    with pytest.raises(RuntimeError) as failed:
+        train_in_process("--train.steps", "5", "--checkpoint.async_mode", mode, "--checkpoint.write_threads", "2",
                          "--train.output_dir", str(out), *checksums)
+    assert re.fullmatch(rf"saving checkpoint {re.escape(str(failing))} failed: rank 0: {cause}: "
+                        rf"'{re.escape(str(failing))}/__0_[01]\.distcp'", str(failed.value)), str(failed.value)
+    assert ck.incomplete_reason(failing) is not None
+    after = tree(out / "checkpoints")
+    assert {name: stat for name, stat in after.items() if not name.startswith(failing.name)} == before
+    latest, _ = ck.find_latest(out / "checkpoints")
+    assert latest.path == ck.step_dir(out / "checkpoints", 4)
+    with ck.checked(latest, None, "the fix", threads=2):
+        all_tensors(latest.path)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_writer_thread_that_failed_outside_its_file_is_never_committed(tmp_path, monkeypatch):
+    """An error before a thread opens its file reaches no file system: the tensors it did not write still fail the
+    save, which DCP would otherwise commit without them."""
+    from torch.distributed.checkpoint import filesystem
+    fail_in_an_extra_writer_thread(monkeypatch, filesystem._SerialCpuLoader, "start_loading",
+                                   lambda loader: RuntimeError("no tensors today"))
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="tensors were not written: a writer thread failed outside its file"):
+        train_in_process("--train.steps", "1", "--checkpoint.async_mode", "none", "--checkpoint.write_threads", "2",
+                         "--train.output_dir", str(out))
     assert complete_steps(out / "checkpoints") == []
 
 
@@ -1154,11 +1235,12 @@ def test_a_failed_save_names_its_cause_in_one_line(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(filesystem, "_write_item", no_space)
     out = tmp_path / "run"
     with pytest.raises(RuntimeError) as failed:
-        # One writer thread, DCP's own: its error is raised, where extra threads' are only printed.
+        # One writer thread, DCP's own, whose error torch raises (an extra thread's: see the test above).
         train_in_process("--train.steps", "1", "--checkpoint.async_mode", mode, "--checkpoint.write_threads", "1",
                          "--train.output_dir", str(out))
-    assert str(failed.value) == (f"saving checkpoint {ck.step_dir(out / 'checkpoints', 1)} failed: rank 0: OSError: "
-                                 "[Errno 28] No space left on device")
+    step = ck.step_dir(out / "checkpoints", 1)
+    assert str(failed.value) == (f"saving checkpoint {step} failed: rank 0: OSError: [Errno 28] No space left on "
+                                 f"device: '{step / '__0_0.distcp'}'")
     assert isinstance(failed.value.__cause__, ck.CheckpointException)
     assert (f"checkpoint step 1 ({mode}): training blocked" in capsys.readouterr().err) == (mode != "none")
 
@@ -1355,3 +1437,28 @@ def test_signal_handlers_restored_and_second_signal_exits_at_once():
     assert proc.returncode == 128 + signal.SIGUSR1
     assert "first: SIGTERM" in proc.stdout and "still running" not in proc.stdout
     assert "second stop signal (SIGUSR1): exiting now" in proc.stderr
+
+
+GLOO_TIMEOUT = "[../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 6000ms for send operation to complete"
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "gathered_by_dcp"])
+def test_a_load_that_lost_a_peer_does_not_blame_the_files(small, monkeypatch, wrapped):
+    """A rank that stops answering while the ranks load (stuck reads, a dead host) fails the others' collectives
+    with gloo's plain RuntimeError: the error says so, and does not tell the user to set aside a good checkpoint."""
+    path = small / "checkpoints" / "step_00000004"
+    lost = RuntimeError(GLOO_TIMEOUT)
+    error = ck.CheckpointException("DCP failed", {1: (lost, None)}) if wrapped else lost
+
+    def load(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(ck.dcp, "load", load)
+    with pytest.raises(ck.CheckpointError) as failed:
+        ck.load_dcp({}, path, None, "rename it to step_00000004.unusable")
+    message = str(failed.value)
+    assert "a rank stopped answering while the ranks loaded it" in message and "Timed out waiting" in message
+    assert "corrupt" not in message and "unusable" not in message, message
+    monkeypatch.setattr(ck.dcp, "load", lambda *args, **kwargs: (_ for _ in ()).throw(EOFError()))
+    with pytest.raises(ck.CheckpointError, match="a file is corrupt or truncated; rename it"):
+        ck.load_dcp({}, path, None, "rename it to step_00000004.unusable")

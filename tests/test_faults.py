@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from unittest import mock
@@ -106,7 +107,7 @@ def test_a_report_withdrawn_while_it_is_read_is_not_taken_for_a_dead_rank_or_a_d
 
     watchdog = Watchdog.__new__(Watchdog)  # its report alone: no thread, no group
     watchdog.rank, watchdog.world_size, watchdog.store = 0, 2, Store()
-    watchdog.last_progress, watchdog.timeout = time.monotonic(), 5.0
+    watchdog.last_progress, watchdog.timeout, watchdog.steady = time.monotonic(), 5.0, True
     report = watchdog.report()
     assert "every rank finished step 5" in report and "sent no report" not in report, report
 
@@ -132,8 +133,32 @@ def test_a_rank_that_answers_the_alarm_busy_is_a_suspect_unless_another_is_behin
 
     watchdog = Watchdog.__new__(Watchdog)  # its report alone: no thread, no group
     watchdog.rank, watchdog.world_size, watchdog.store = 1, 2, Store()
-    watchdog.last_progress, watchdog.timeout = time.monotonic(), 5.0
+    watchdog.last_progress, watchdog.timeout, watchdog.steady = time.monotonic(), 5.0, True
     assert suspects + "." in watchdog.report()
+
+
+def test_a_rank_busy_restoring_is_the_suspect_and_the_ranks_waiting_for_it_are_listed():
+    """Before the first step every rank reports step 0: a rank busy in the restore is named as such, and the ranks
+    waiting in its collectives as runs of ranks; the timeout to raise is the first step's."""
+    from fsdp_trainer.faults import REPORT, RESTORING, Watchdog
+
+    class Store:
+        keys = {REPORT.format(r): json.dumps([0, "waiting", "all_gather (distributed_c10d.py:1)", r != 2])
+                for r in range(5)}
+        keys[REPORT.format(2)] = json.dumps([0, RESTORING, "read (storage.py:7)", False])
+
+        def check(self, keys):
+            return all(key in self.keys for key in keys)
+
+        def get(self, key):
+            return self.keys[key]
+
+    watchdog = Watchdog.__new__(Watchdog)  # its report alone: no thread, no group
+    watchdog.rank, watchdog.world_size, watchdog.store = 2, 5, Store()
+    watchdog.last_progress, watchdog.timeout, watchdog.steady = time.monotonic(), 6.0, False
+    assert ("suspect rank(s): 2 (still restoring a checkpoint, at read (storage.py:7); check its storage). Rank(s) "
+            "0-1, 3-4 wait in a collective or GPU sync. If start-up (a restore, compilation, the first step) is "
+            "legitimately this slow, raise dist.init_timeout_s.") in watchdog.report()
 
 
 @pytest.mark.parametrize("variable", [None, "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"],
@@ -222,6 +247,59 @@ def test_a_rank_hung_in_the_first_step_is_named_before_the_group_timeout_ends_th
         proc.stderr, proc.stderr[-3000:]
     assert "sent no report" not in proc.stderr and "Timed out" not in proc.stderr, proc.stderr[-3000:]
     assert elapsed < ENDS_WITHIN, elapsed
+
+
+def test_a_rank_hung_in_the_restore_is_named_before_the_group_timeout_ends_the_others(tmp_path):
+    """The watchdog watches the restore, against dist.init_timeout_s: rank 1's reads of the checkpoint hang as it
+    resumes (inside DCP, whose frames are not a wait), and it is named as restoring, rank 0 as waiting for it, with
+    the watchdog's exit code. It looks every 5 s (a quarter of dist.timeout_s, at most 5 s): the checkpointer's
+    groups, which rank 0 waits in, must trail it, or their own timeout ends rank 0 first with a bare "Timed out"."""
+    from fsdp_trainer.faults import BACKSTOP_S, EXIT_HANG
+
+    proc, _ = launch("hang_restore", "1", 0, tmp_path, "--train.steps", "1")  # nothing to restore: it saves step 1
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, elapsed = launch("hang_restore", "1", 0, tmp_path, "--train.steps", "2", "--dist.init_timeout_s", "6",
+                           "--dist.timeout_s", "20")
+    assert f"exitcode  : {EXIT_HANG}" in proc.stderr, proc.stderr[-3000:]  # torchrun's summary of the failed ranks
+    assert "suspect rank(s): 1 (still restoring a checkpoint, at hung_reads (fault_worker.py:" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "Rank(s) 0 wait in a collective or GPU sync. If start-up" in proc.stderr
+    assert "sent no report" not in proc.stderr and "Timed out" not in proc.stderr, proc.stderr[-3000:]
+    assert elapsed < 6 + BACKSTOP_S, elapsed  # start-up included
+
+
+def test_a_restore_is_watched_not_paused_so_a_job_stuck_in_it_on_every_rank_ends(tmp_path):
+    """Every rank's storage down: no rank's watchdog may wait for another's to end the job."""
+    script = """if True:
+        import time
+        from fsdp_trainer import distributed
+        from fsdp_trainer.faults import RESTORING, Watchdog
+
+        distributed.init(60)
+        with Watchdog(0, 1, 2.0, 2.0, distributed.build_mesh("cpu", 1, 1)) as watchdog:
+            with watchdog.doing(RESTORING):
+                time.sleep(60)
+    """
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=checkout_env())
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "suspect rank(s): 0 (still restoring a checkpoint, at <module> (<string>:" in proc.stderr, \
+        proc.stderr[-3000:]
+
+
+def test_a_run_with_nothing_left_to_train_stops_its_watchdog(tmp_path, capfd):
+    """The watchdog starts before the restore, so the return for a finished run stops it too: left running in a
+    process that goes on (a sweep calling main, a notebook), it would end that process init_timeout_s later."""
+    from fsdp_trainer.train import main
+
+    flags = [*TINY, "--train.output_dir", str(tmp_path), "--train.steps", "1", "--checkpoint.async_mode", "none"]
+    main(flags)
+    main(flags)  # resumes the checkpoint of step 1 of 1
+    assert "step 1 of train.steps=1 is done already" in capfd.readouterr().err
+    watchdogs = [thread for thread in threading.enumerate() if thread.name == "fsdp_trainer-watchdog"]
+    for thread in watchdogs:
+        thread.join(timeout=10)
+    assert not any(thread.is_alive() for thread in watchdogs)
 
 
 def test_a_crashed_rank_ends_the_job_naming_it_with_its_traceback(tmp_path):
