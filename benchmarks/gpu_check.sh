@@ -42,6 +42,10 @@ trap 'failed+=("${PART:-setup} (line $LINENO)")' ERR
 NGPU=${1:?usage: gpu_check.sh NGPU PART [PART ...]}
 shift
 [ $# -gt 0 ] || { echo "usage: gpu_check.sh NGPU PART [PART ...]"; exit 2; }
+PARTS="tests collectives small 8b levers keep card pool autotune clocks profile checkpoint plan capped"
+for part in "$@"; do  # all before any: a typo in the last part must not wait for the GPU time of the others
+  [[ " $PARTS " == *" $part "* ]] || { echo "unknown part: $part (the parts: $PARTS)"; exit 2; }
+done
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 if [ -n "${BENCH_RESULTS_DIR:-}" ]; then
@@ -178,7 +182,6 @@ PY
       throughput --config configs/llama3_8b.toml --steps 30 --name llama_8.5b_capped_47GiB \
         --variant "8.5B fullAC=--model.n_layers 34 --ac.mode full" \
         --variant "8.5B fullAC 47.4GiB=--model.n_layers 34 --ac.mode full --memory.limit_gib 47.4" ;;
-    *) echo "unknown part: $PART"; exit 2 ;;
   esac
 done
 if [ ${#failed[@]} -gt 0 ]; then

@@ -7,9 +7,10 @@ predicted reserved memory vs torch.cuda.max_memory_reserved().
 A row is "GPUS NAME=CONFIG FLAGS". Each is a real `torchrun -m fsdp_trainer.train` run on that many GPUs; the
 trainer logs the plan's predicted allocator peak next to the measured one after its first logging window.
 The default matrix spans 1B and 8B, every ac.mode, micro-batch 1/2/4, 1/2/4 GPUs, the reshard policies,
-compile on and off, and the chunked loss. The predicted peak was within 2% of the measured one on every row run so
-far (benchmarks/README.md). tests/test_plan.py holds it within 1% of 24 peaks measured on H200s (the compiled
-full-AC 8B, 1.2% low, is not among them) and the predicted reserved memory within -2% to +5% of 19 measured.
+compile on and off, and the chunked loss. The predicted peak was within 2% of the measured one on every row of that
+matrix run so far; the farthest of any other row is the bfloat16 chunked loss, 2.4% high (benchmarks/README.md).
+tests/test_plan.py holds it within 1% of 24 peaks measured on H200s (the compiled full-AC 8B, 1.2% low, is not
+among them) and the predicted reserved memory within -2% to +5% of 19 measured.
 Memory only: a run of a few steps from step 0 has no steady rate, so the rows carry no tokens/s or step times.
 """
 

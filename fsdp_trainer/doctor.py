@@ -143,11 +143,14 @@ def parse_sizes(spec: str) -> list[int]:
     raises ValueError: a size under 1 byte or a range that runs backwards would silently measure nothing."""
 
     def nbytes(text: str) -> int:
-        text = text.strip().upper().removesuffix("B").removesuffix("I")
-        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-        value = float(text.rstrip("KMG")) * scale
+        size = text.strip().upper().removesuffix("B").removesuffix("I")
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        try:
+            value = float(size.rstrip("KMG")) * scale
+        except ValueError:
+            value = float("nan")
         if not 1 <= value < float("inf"):  # nan fails this too
-            raise ValueError(f"{text}: not a size of 1 byte or more")
+            raise ValueError(f"{text.strip()} is not a size of 1 byte or more")
         return int(value)
 
     if spec.strip() == "0":
@@ -156,7 +159,7 @@ def parse_sizes(spec: str) -> list[int]:
     high = nbytes(high if dots else low)
     low = nbytes(low) if dots else min(1024, high)
     if low > high:
-        raise ValueError(f"{spec}: the range runs backwards")
+        raise ValueError("the range runs backwards")
     sizes = []
     while low <= high:
         sizes.append(low)
@@ -168,9 +171,9 @@ def _bandwidth_sizes(spec: str) -> list[int]:
     """--sizes in bytes; "auto" is 1K..1G on GPU and 1K..16M on CPU. ValueError names the flag and its forms."""
     try:
         return parse_sizes(("1K..1G" if torch.cuda.is_available() else "1K..16M") if spec == "auto" else spec)
-    except ValueError:
-        raise ValueError(f"--sizes {spec}: expected sizes of 1 byte or more: a range (1K..1G), a top (64M, for "
-                         "1K..64M), or 0 to measure no bandwidth") from None
+    except ValueError as err:
+        raise ValueError(f"--sizes {spec}: {err}; expected sizes of 1 byte or more: a range (1K..1G), a top (64M, "
+                         "for 1K..64M), or 0 to measure no bandwidth") from None
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -202,13 +205,28 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor) -> Optional[str]:
     return f"{bad.numel()} of {got.numel()} elements wrong, first [{i}] = {got[i]:g}, expected {want[i]:g}"
 
 
+def _available_memory_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """What can be allocated without swapping: Linux's MemAvailable, which counts the page cache it can drop. Free
+    memory alone (sysconf's AVPHYS_PAGES, the fallback) is near zero on a node that has read its data or checkpoints,
+    and would misstate the room for a checkpoint's pinned staging."""
+    try:
+        with open(meminfo) as lines:
+            for line in lines:
+                name, _, value = line.partition(":")
+                if name == "MemAvailable":
+                    return int(value.split()[0]) * 1024  # in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 def _rank_facts(info: distributed.DistInfo) -> dict:
     facts = {"rank": info.rank, "host": socket.gethostname(), "pid": os.getpid(), "device": str(info.device),
              "interfaces": [name for _, name in socket.if_nameindex()],
              "variables": {k: v for k, v in sorted(os.environ.items())
                            if k.startswith(("NCCL_", "TORCH_", "GLOO_")) or k == "CUDA_VISIBLE_DEVICES"},
              "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-             "memory_available_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")}
+             "memory_available_bytes": _available_memory_bytes()}
     try:
         shm = os.statvfs("/dev/shm")
         facts["shm_bytes"], facts["shm_free_bytes"] = shm.f_blocks * shm.f_frsize, shm.f_bavail * shm.f_frsize
@@ -245,8 +263,8 @@ def _environment_warnings(ranks: list[dict]) -> list[str]:
         if f["shm_bytes"] is None:
             warnings.append(f"{host}: no /dev/shm; NCCL's shared-memory transport cannot work (NCCL_SHM_DISABLE=1)")
         elif f["shm_bytes"] < GiB:
-            warnings.append(f"{host}: /dev/shm is only {_fmt_bytes(f['shm_bytes'])} (Docker's default is 64 MB); "
-                            "NCCL's shared-memory transport fails or hangs with it. Restart the container with "
+            warnings.append(f"{host}: /dev/shm is only {_fmt_bytes(f['shm_bytes'])}, under 1 GiB (Docker's default "
+                            "is 64 MB); NCCL's shared-memory transport fails or hangs with it. Restart the container with "
                             "--shm-size=16g (or --ipc=host), or set NCCL_SHM_DISABLE=1")
 
     def settings(f: dict) -> dict:  # CUDA_VISIBLE_DEVICES may differ per rank by design (e.g. under SLURM)

@@ -59,8 +59,9 @@ def follow_current_schedule(scheduler, cfg: OptimConfig) -> None:
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip gradients to `max_norm` (0: no clipping) and return the global L2 norm over all shards.
 
-    For sharded (DTensor) gradients each rank's norm covers only its shard; `full_tensor()` all-reduces the
-    partial norms so that clipping and logging use the norm of the whole gradient."""
+    For sharded (DTensor) gradients each rank's norm covers only its shard: DTensor reduces the partial norms
+    across the mesh (as it combines the per-gradient norms; at the latest in `full_tensor()`), so that clipping and
+    logging use the norm of the whole gradient, as a plain tensor."""
     params = [p for p in model.parameters() if p.grad is not None]
     total_norm = get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
     if isinstance(total_norm, DTensor):

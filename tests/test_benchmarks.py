@@ -632,7 +632,8 @@ def gpu_check(tmp_path: Path, *args: str, results_dir: Path | None = None,
     proc = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), *args], cwd=tmp_path, text=True,
                           env={**environ, **(env or {}), "PATH": f"{bin_dir}:{environ['PATH']}"}, capture_output=True,
                           timeout=60)
-    return proc, (tmp_path / "calls").read_text().splitlines()
+    calls = tmp_path / "calls"
+    return proc, calls.read_text().splitlines() if calls.exists() else []
 
 
 def test_gpu_check_runs_every_part_after_a_failure_and_exits_non_zero(tmp_path):
@@ -640,6 +641,12 @@ def test_gpu_check_runs_every_part_after_a_failure_and_exits_non_zero(tmp_path):
     proc, calls = gpu_check(tmp_path, "1", "tests", "collectives")
     assert proc.returncode == 1 and "FAILED: tests" in proc.stdout
     assert [c for c in calls if "collectives.py" in c] == ["benchmarks/collectives.py --nproc 1"]
+
+
+def test_gpu_check_refuses_an_unknown_part_before_running_any(tmp_path):
+    proc, calls = gpu_check(tmp_path, "1", "plan", "bogus")
+    assert proc.returncode == 2 and "unknown part: bogus (the parts: tests collectives" in proc.stdout, proc.stdout
+    assert calls == []
 
 
 @pytest.mark.parametrize("ngpu,counts", [("1", "1"), ("2", "1 2"), ("3", "1 2 3"), ("4", "1 2 4"), ("8", "1 2 4 8")])

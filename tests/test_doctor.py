@@ -49,6 +49,14 @@ def timed_out_check(fault: str, nproc: int, deadline: int = 5):
     return proc, json.loads(proc.stdout)["checks"][-1]
 
 
+def test_available_memory_counts_the_page_cache_linux_can_drop(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemFree:          100000 kB\nMemAvailable:   12000000 kB\n")
+    assert doctor._available_memory_bytes(str(meminfo)) == 12000000 * 1024
+    free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")  # without /proc: free memory, roughly
+    assert abs(doctor._available_memory_bytes(str(tmp_path / "absent")) - free) < 2**30
+
+
 def test_sizes_and_bus_bandwidth_factors():
     assert parse_sizes("1K..1M") == [1024, 4096, 16384, 65536, 262144, 1048576]
     assert parse_sizes("64KiB") == [1024, 4096, 16384, 65536]
@@ -173,8 +181,10 @@ def test_failed_run_exits_without_waiting_on_the_group_teardown():
     (["--iters", "0"], "", "--iters 0: the bandwidth table needs at least one timed run per size"),
     (["--deadline-s", "0"], "", "--deadline-s 0: must be above 0"),
     (["--nproc", "-1"], "", "--nproc -1: must be 0"),
-    (["--sizes", "abc"], "", "--sizes abc: expected sizes of 1 byte or more: a range (1K..1G), a top (64M"),
-    (["--sizes", "-4K"], "", "--sizes -4K: expected sizes of 1 byte or more"),
+    (["--sizes", "abc"], "", "--sizes abc: abc is not a size of 1 byte or more; expected sizes of 1 byte or more: "
+                             "a range (1K..1G), a top (64M"),
+    (["--sizes", "-4K"], "", "--sizes -4K: -4K is not a size of 1 byte or more; expected"),
+    (["--sizes", "2K..1K"], "", "--sizes 2K..1K: the range runs backwards; expected"),
     ([], "hang:rank=one", f"{FAULT_VAR}=hang:rank=one: expected hang, wrong, raise, stall, stall_between, drop, "
                           "drop_remote or wedge, then :rank=N"),
 ])
@@ -398,3 +408,25 @@ def test_a_dead_network_link_of_any_gpu_is_named_on_several_nodes():
     check = failed["checks"][-1]
     assert check["name"] == "send_recv_nodes" and check["timed_out"] and check["links"] == [[0, 2]], check
     assert "no data arrived over 0 -> 2" in check["error"]
+
+
+def test_environment_warnings_name_the_host_or_ranks_and_what_to_do():
+    """/dev/shm per host (missing, or under 1 GiB); NCCL_/TORCH_/GLOO_ variables that differ from rank 0's, but not
+    CUDA_VISIBLE_DEVICES, which launchers set per rank; GPU models that differ."""
+    def rank(number: int, host: str, shm, gpu: str = "NVIDIA H100 80GB HBM3", **variables) -> dict:
+        return {"rank": number, "host": host, "shm_bytes": shm, "gpu": {"name": gpu},
+                "variables": {"NCCL_DEBUG": "WARN", **variables}}
+
+    healthy = [rank(0, "a", doctor.GiB, CUDA_VISIBLE_DEVICES="0"), rank(1, "a", None, CUDA_VISIBLE_DEVICES="1"),
+               rank(2, "b", 16 * doctor.GiB, CUDA_VISIBLE_DEVICES="0")]
+    assert doctor._environment_warnings(healthy) == []  # each host's /dev/shm is its first rank's
+    broken = [rank(0, "a", None), rank(1, "b", 64 * 2**20, NCCL_DEBUG="INFO"), rank(2, "c", 2**29),
+              rank(3, "c", doctor.GiB, gpu="NVIDIA A100-SXM4-80GB", NCCL_IB_DISABLE="1")]
+    assert doctor._environment_warnings(broken) == [
+        "a: no /dev/shm; NCCL's shared-memory transport cannot work (NCCL_SHM_DISABLE=1)",
+        "b: /dev/shm is only 64 MiB, under 1 GiB (Docker's default is 64 MB); NCCL's shared-memory transport fails "
+        "or hangs with it. Restart the container with --shm-size=16g (or --ipc=host), or set NCCL_SHM_DISABLE=1",
+        "c: /dev/shm is only 512 MiB, under 1 GiB (Docker's default is 64 MB); NCCL's shared-memory transport fails "
+        "or hangs with it. Restart the container with --shm-size=16g (or --ipc=host), or set NCCL_SHM_DISABLE=1",
+        "rank(s) 1, 3 see different NCCL_/TORCH_/GLOO_ variables than rank 0; set them the same on every node",
+        "ranks run on different GPU models; the slowest sets the pace of every collective"]

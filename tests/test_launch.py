@@ -582,8 +582,8 @@ def test_slurm_stop_during_start_up_is_requeued_3_times_in_a_row_at_most(tmp_pat
     counter.write_text(count + "\n")
     setting_up = tmp_path / "setting-up"
     calls = fake_slurm(tmp_path, hostnames=f'touch "{setting_up}"; sleep 1; echo localhost', refuse_requeue=refused)
-    proc = start(["bash", str(LAUNCH / "slurm.sbatch"), "--train.output_dir", str(tmp_path / "out")],
-                 slurm_job_env(tmp_path, SLURM_RESTART_COUNT="1"), tmp_path / "job.log")
+    proc = start(["bash", str(LAUNCH / "slurm.sbatch"), "--train.output_dir", str(tmp_path / "out"),
+                  "--train.steps", "1000000000"], slurm_job_env(tmp_path, SLURM_RESTART_COUNT="1"), tmp_path / "job.log")
     try:
         wait_for(setting_up.exists, "request for the node list")
         proc.send_signal(signal.SIGUSR1)
@@ -614,15 +614,16 @@ while [ ! -e "{done}" ]; do sleep 0.05; done
 ANNOUNCE = 'if [ -n "$RELAY_PID_DIR" ]; then echo $$ > "$RELAY_PID_DIR/$(uname -n)"; fi'
 
 
-def relay_job(tmp_path: Path, announce: str = ANNOUNCE, step_seconds: float = 1, **extra: str):
-    """slurm.sbatch with FAKE_RELAY as its one task (started `step_seconds` into srun), signalled once it printed its
-    srun command: (the job, its log, the relay's record of signals, the file that ends the relay, the log of Slurm
-    calls)."""
+def relay_job(tmp_path: Path, announce: str = ANNOUNCE, step_seconds: float = 1, args: tuple[str, ...] = (),
+              **extra: str):
+    """slurm.sbatch (with the trainer's `args`) with FAKE_RELAY as its one task (started `step_seconds` into srun),
+    signalled once it printed its srun command: (the job, its log, the relay's record of signals, the file that ends
+    the relay, the log of Slurm calls)."""
     record, done, relay = tmp_path / "record", tmp_path / "done", tmp_path / "relay.sh"
     relay.write_text(FAKE_RELAY.format(record=record, done=done, announce=announce))
     calls = fake_slurm(tmp_path, tasks=(f'bash "{relay}"',), step_seconds=step_seconds)
     log = tmp_path / "job.log"
-    proc = start(["bash", str(LAUNCH / "slurm.sbatch"), "--train.output_dir", str(tmp_path / "out")],
+    proc = start(["bash", str(LAUNCH / "slurm.sbatch"), "--train.output_dir", str(tmp_path / "out"), *args],
                  slurm_job_env(tmp_path, HEAD="127.0.0.1", **extra), log)
     try:
         wait_for(lambda: "+ srun" in log.read_text(), "srun command")
@@ -690,6 +691,27 @@ def test_slurm_sends_the_stop_through_scancel_again_while_srun_creates_its_step(
     assert code == 0 and record.read_text() == "USR1\n", log.read_text()
     assert calls.read_text().count("scancel --signal=USR1 77") == 2, calls.read_text()
     assert "again every 10 s until srun ends" in log.read_text(), log.read_text()
+
+
+@needs_proc
+def test_slurm_does_not_requeue_a_run_stopped_with_its_last_checkpoint(tmp_path):
+    """A stop that reaches the ranks during the last steps leaves the checkpoint of train.steps: the run is
+    finished, and a requeued job would only wait for its nodes to find nothing to train. The count of requeues
+    without progress goes too."""
+    proc, log, record, done, calls = relay_job(tmp_path, args=("--train.steps", "4"))
+    last = tmp_path / "out" / "checkpoints" / "step_00000004"
+    counter = last.parent / ".requeues_without_progress"
+    try:
+        wait_for(record.exists, "SIGUSR1 at the relay")
+        last.mkdir(parents=True)  # what the ranks save as they stop after the last step
+        (last / "trainer_state.json").write_text("{}")
+        counter.write_text("77 1\n")
+    finally:
+        code = end_relay_job(proc, record, done)
+    text = log.read_text()
+    assert code == 0, text
+    assert f"stopped cleanly with the checkpoint {last}, the last of train.steps: training is finished" in text, text
+    assert "scontrol requeue" not in calls.read_text() and not counter.exists()
 
 
 def test_slurm_without_its_checkpoint_folder_does_not_requeue(tmp_path):
