@@ -245,7 +245,10 @@ class MemoryConfig:
 @dataclass
 class DistConfig:
     init_timeout_s: float = 600.0
-    """Collective timeout until the first step has finished (start-up, compilation, first all-gathers)."""
+    """Until the first step has finished, the longest a rank may take to get there: the restore of a checkpoint
+    (checkpoint.resume or init_from), compilation and the first step all count. Past it, the rank's watchdog names
+    the ranks that are behind (one still restoring, say) and ends the job. Also the process group's timeout while it
+    starts; the collectives' own timeout is then set 60 s later, as a backstop."""
     timeout_s: float = 120.0
     """After the first step, the longest a rank may take to finish its next one (a checkpoint save or a profile's
     writing does not count): past it, the rank's watchdog names the ranks that are behind and ends the job, so a
@@ -448,6 +451,14 @@ def resolve_param_dtype(name: str, device_type: str) -> str:
     import torch
     # Without the flag, V100 and T4 report bfloat16 as supported: emulated, and slower than float16.
     return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
+
+
+def block_ac_modes(n_blocks: int, mode: str, every: int) -> list[str]:
+    """How each block runs under ac.mode: "checkpointed" (whole), "op" (per-op) or "none". Selective checkpoints
+    blocks every, 2*every, ... (1-based). What `parallelize.apply_ac` wraps and the planner prices."""
+    if mode == "selective":
+        return ["checkpointed" if (i + 1) % every == 0 else "none" for i in range(n_blocks)]
+    return [{"none": "none", "op": "op", "full": "checkpointed"}[mode]] * n_blocks
 
 
 def grads_in_compute_pool(parallel: ParallelConfig, grad_accum_steps: int) -> bool:

@@ -33,7 +33,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from fsdp_trainer.config import ACMode, ReshardPolicy
+from fsdp_trainer.config import ACMode, ReshardPolicy, block_ac_modes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -92,11 +92,10 @@ def apply_ac(model: nn.Module, block_types: Sequence[type], mode: ACMode, every:
         return
     whole = functools.partial(checkpoint, use_reentrant=False)
     per_op = functools.partial(whole, context_fn=functools.partial(create_selective_checkpoint_contexts, _op_policy))
-    for index, block in enumerate(blocks_of(model, block_types)):
-        if mode == "full" or (mode == "selective" and (index + 1) % every == 0):
-            _replace_forward(block, whole)
-        elif mode == "op":
-            _replace_forward(block, per_op)
+    blocks = blocks_of(model, block_types)
+    for block, how in zip(blocks, block_ac_modes(len(blocks), mode, every)):
+        if how != "none":
+            _replace_forward(block, whole if how == "checkpointed" else per_op)
 
 
 def apply_compile(model: nn.Module, block_types: Sequence[type]) -> None:

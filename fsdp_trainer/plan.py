@@ -74,8 +74,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from fsdp_trainer.config import (Config, ConfigError, grads_in_compute_pool, mesh_shape, parse_args,
-                                 resolve_param_dtype, validate)
+from fsdp_trainer.config import (Config, ConfigError, block_ac_modes, grads_in_compute_pool, mesh_shape,
+                                 parse_args, resolve_param_dtype, validate)
 from fsdp_trainer.metrics import GiB
 from fsdp_trainer.models.llama import ModelArgs, build, model_args_from_config
 
@@ -248,13 +248,6 @@ def block_bytes_by_mode(args: ModelArgs, tokens: int, pbytes: int, compiled: boo
             "checkpointed": pbytes * tokens * args.dim}
 
 
-def block_modes(n_layers: int, ac_mode: str, every: int) -> list[str]:
-    """How each block runs, as `parallelize.apply_ac` wraps them (selective: blocks every, 2*every, ...)."""
-    if ac_mode == "selective":
-        return ["checkpointed" if (i + 1) % every == 0 else "none" for i in range(n_layers)]
-    return [{"none": "none", "op": "op", "full": "checkpointed"}[ac_mode]] * n_layers
-
-
 def ids_labels_bytes(tokens: int) -> int:
     """The token ids (saved by the embedding's backward) and the labels (by nll_loss's), int64 each."""
     return 2 * 8 * tokens
@@ -352,7 +345,7 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
         return max(gathered(group) + s.pbytes * numel, (s.pbytes + s.rbytes) * numel,
                    grads_in_reduce + s.rbytes * numel + 4 * group.shard_numel(s.shard))
 
-    modes = block_modes(s.args.n_layers, s.ac_mode, s.ac_every)
+    modes = block_ac_modes(s.args.n_layers, s.ac_mode, s.ac_every)
     per_block = block_bytes_by_mode(s.args, tokens, s.pbytes, compiled=s.compiled)
     block_acts = sum(per_block[m] for m in modes)
     chunk = min(s.loss_chunk, tokens)
@@ -457,7 +450,7 @@ def _recompute_fraction(s: _Setup) -> float:
     """Extra compute of activation checkpointing, as a fraction of a step without it."""
     if s.ac_mode == "op":
         return OP_AC_RECOMPUTE["compiled" if s.compiled else "eager"]
-    checkpointed = block_modes(s.args.n_layers, s.ac_mode, s.ac_every).count("checkpointed")
+    checkpointed = block_ac_modes(s.args.n_layers, s.ac_mode, s.ac_every).count("checkpointed")
     # A checkpointed block runs its forward twice; forward is a third of the block's training FLOPs.
     block_matmul_params = s.args.num_matmul_params() - s.args.vocab_size * s.args.dim
     block_forward = 2 * block_matmul_params + 4 * s.args.n_layers * s.args.dim * s.seq
@@ -712,7 +705,7 @@ def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:
     shards = 4 * s.shard_numel()
     where = "in host memory (cpu offload)" if s.offload else ""
     kept = kept_after_forward(s.groups, s.reshard, s.keep_gathered)
-    modes = block_modes(s.args.n_layers, s.ac_mode, s.ac_every)
+    modes = block_ac_modes(s.args.n_layers, s.ac_mode, s.ac_every)
     per_block = block_bytes_by_mode(s.args, s.tokens, s.pbytes, compiled=s.compiled)
     block_note = ", ".join(f"{modes.count(m)} x {per_block[m] / GiB:.3f} GiB ({m})"
                            for m in ("none", "op", "checkpointed") if m in modes)

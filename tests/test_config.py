@@ -103,9 +103,11 @@ def test_impossible_mesh_is_rejected(replicate, shard, world, message):
     ("train", "gc_every", -1, "train.gc_every=-1: must be >= 0"),
     ("parallel", "keep_gathered", 5, "parallel.keep_gathered=5: must be between 0 and the model's 4 blocks"),
     ("checkpoint", "write_threads", 0, "checkpoint.write_threads=0: both must be >= 1"),
+    ("checkpoint", "keep", 0, "checkpoint.keep=0 and checkpoint.write_threads=4: both must be >= 1"),
     ("model", "n_layers", 0, "model.n_layers=0: must be at least 1"),
     ("model", "n_heads", 0, "model.n_heads=0: must be at least 1"),
     ("optim", "betas", (1.5, 0.9), "optim.betas=(1.5, 0.9): each must be in [0, 1)"),
+    ("optim", "betas", (0.9, 1.0), "optim.betas=(0.9, 1.0): each must be in [0, 1)"),  # AdamW divides by 1 - beta2**t
     ("optim", "weight_decay", -0.1, "optim.weight_decay=-0.1"),
     ("train", "max_skipped_steps", -1, "train.max_skipped_steps=-1: must be >= 0"),
     ("memory", "limit_gib", -1.0, "memory.limit_gib=-1.0: must be > 0 GiB"),
@@ -126,13 +128,24 @@ def test_impossible_mesh_is_rejected(replicate, shard, world, message):
     ("model", "ffn_dim_multiplier", 0.0, "model.ffn_dim_multiplier=0.0: must be a finite number > 0"),
     ("model", "rope_theta", 0.0, "model.rope_theta=0.0: must be a finite number > 0"),
     ("model", "rope_theta", -1.0, "model.rope_theta=-1.0: must be a finite number > 0"),
-    ("profile", "steps", "5:300", "profile.steps=5:300 ends after train.steps=200"),
+    ("profile", "steps", "5:201", "profile.steps=5:201 ends after train.steps=200"),
 ])
 def test_invalid_settings_name_field_value_and_fix(section, key, value, message):
     cfg = Config()
     setattr(getattr(cfg, section), key, value)
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(cfg, 1, "cpu")
+
+
+@pytest.mark.parametrize("section,key,value", [
+    ("profile", "steps", "5:200"),  # the last step is traced too
+    ("checkpoint", "keep", 1),
+    ("optim", "betas", (0.0, 0.0)),
+])
+def test_settings_at_the_edge_of_their_range_are_accepted(section, key, value):
+    cfg = Config()
+    setattr(getattr(cfg, section), key, value)
+    validate(cfg, 1, "cpu")
 
 
 def test_selective_ac_must_checkpoint_some_block():

@@ -1,8 +1,9 @@
-"""The step-phase timer: time per phase per step, the gaps between steps excluded."""
+"""Metrics: the step-phase timer, throughput and MFU, the console line, TensorBoard after a resume."""
 
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 import torch
@@ -125,3 +126,20 @@ def test_tflops_and_mfu_follow_the_tokens_per_second_of_each_window(monkeypatch,
     assert [r["mfu"] for r in a100] == pytest.approx([0.10, 0.05])
     [cpu] = rows("cpu", [2.0])
     assert cpu["tflops_per_gpu"] == pytest.approx(31.2) and "mfu" not in cpu
+
+
+def test_a_resumed_run_s_eta_is_its_remaining_steps_at_its_own_pace(monkeypatch, tmp_path):
+    """Resumed at step 10 of 30, 10 steps in 10 s: 10 steps left take 10 s more (the steps before the resume were
+    not timed, and the ones done since are not left to do)."""
+    from fsdp_trainer import metrics
+
+    now, lines = [100.0], []
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(metrics, "memory_gib", lambda device: {})
+    monkeypatch.setattr(metrics, "logger", types.SimpleNamespace(info=lines.append))
+    m = metrics.Metrics(device=torch.device("cpu"), total_steps=30, tokens_per_step=8, world_size=1,
+                        flops_per_token=6, output_dir=tmp_path, tensorboard=False, is_main=True)
+    m.start(10)
+    now[0] += 10.0
+    m.log(20, 1.0, 1.0, 1e-3)
+    assert lines[-1].startswith("step 20/30 | ") and lines[-1].endswith(" | elapsed 0:00:10 eta 0:00:10"), lines

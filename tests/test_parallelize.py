@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_trainer.config import parse_args
 from fsdp_trainer.models.llama import ModelArgs, TransformerBlock, build
 from fsdp_trainer.parallelize import apply_ac, apply_fsdp, blocks_of
 
-from helpers import SDPA, OpCounter, is_gathered, run_ranks
+from helpers import SDPA, TINY_FLAGS, OpCounter, is_gathered, run_ranks
 
 ARGS = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim_multiplier=1.0,
                  multiple_of=32, max_seq_len=64, rope_theta=10000.0)
@@ -321,6 +322,19 @@ def test_every_group_gathers_in_param_dtype_and_reduces_in_float32(monkeypatch):
     apply_fsdp(model, None, block_types=(TransformerBlock,), groups=[[model.tok_embeddings], [model.norm, model.output]])
     assert len(policies) == ARGS.n_layers + 3
     assert {(p.param_dtype, p.reduce_dtype) for p in policies} == {(torch.bfloat16, torch.float32)}
+
+
+def test_the_trainer_gathers_and_reduces_every_group_in_the_dtypes_its_flags_name(monkeypatch):
+    """--parallel.param_dtype and --parallel.reduce_dtype reach every fully_shard call the trainer makes."""
+    from fsdp_trainer import parallelize, train
+
+    policies = []
+    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: policies.append(kwargs["mp_policy"]))
+    monkeypatch.setattr(train, "init_weights", lambda *args, **kwargs: None)  # nothing was sharded to fill
+    cfg = parse_args([*TINY_FLAGS, "--parallel.param_dtype", "float16", "--parallel.reduce_dtype", "bfloat16"])
+    train.build_model(cfg, None, torch.device("cpu"))
+    assert len(policies) == cfg.model.n_layers + 3
+    assert {(p.param_dtype, p.reduce_dtype) for p in policies} == {(torch.float16, torch.bfloat16)}
 
 
 # -- a team's own transformer: torch's MultiheadAttention and LayerNorm, biases, a tied embedding ------------

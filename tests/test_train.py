@@ -36,10 +36,11 @@ def watch_the_run() -> dict:
     - gathers_before_block_0: the all-gathers issued before the first block computes, in the first forward;
     - block_linear_dtypes: the dtypes of the inputs a block's first Linear computed on;
     - first_step_ops: how many times each op ran in the first step (a forward op recomputed in backward, twice);
-    - reduce_scatters: per step, the gradient reduce-scatters."""
+    - reduce_scatters: per step, the gradient reduce-scatters;
+    - tokens_per_step: the tokens per step that tokens/s and MFU are computed from."""
     seen = {"block_linear_dtypes": set(), "reduce_scatters": []}
     collectives = {"all_gather": 0, "reduce_scatter": 0}
-    build_model, train_step = train.build_model, train.train_step
+    build_model, train_step, metrics = train.build_model, train.train_step, train.Metrics
 
     def counted(name, collective):  # FSDP2's own collectives, as it calls them
         def call(*args, **kwargs):
@@ -79,9 +80,13 @@ def watch_the_run() -> dict:
         seen["reduce_scatters"].append(collectives["reduce_scatter"] - reduce_scatters)
         return result
 
+    def watched_metrics(**kwargs):
+        seen["tokens_per_step"] = kwargs["tokens_per_step"]
+        return metrics(**kwargs)
+
     dist.all_gather_single = counted("all_gather", dist.all_gather_single)
     dist.reduce_scatter_single = counted("reduce_scatter", dist.reduce_scatter_single)
-    train.build_model, train.train_step = watched_model, watched_step
+    train.build_model, train.train_step, train.Metrics = watched_model, watched_step, watched_metrics
     return seen
 
 
@@ -197,17 +202,20 @@ LAST_UNIT = ["norm", "output"]
     (2, {}, LAST_UNIT, 2),                                # the embedding's all-gather, then block 0's
     (4, {}, LAST_UNIT, 2),
     (4, {"dp_replicate": 2}, LAST_UNIT, 2),               # HSDP 2 x 2
+    (2, {"dp_replicate": 2}, LAST_UNIT, 0),               # HSDP 2 x 1: whole replicas, nothing to all-gather
     (2, {"reshard_after_forward": "never"}, ["tok_embeddings", "layers.0", "layers.1", *LAST_UNIT], 2),
     (2, {"prefetch": 2}, LAST_UNIT, 3),                   # and block 1's (the only block after block 0)
     (2, {"keep_gathered": 1}, ["layers.1", *LAST_UNIT], 2),
-], ids=["fsdp-2", "fsdp-4", "hsdp-2x2", "reshard-never", "prefetch-2", "keep-gathered-1"])
+], ids=["fsdp-2", "fsdp-4", "hsdp-2x2", "hsdp-2x1", "reshard-never", "prefetch-2", "keep-gathered-1"])
 def test_sharded_matches_single_process_reference(tmp_path, world_size, parallel, gathered, gathers_before_block_0):
     """The reference's numbers, and on the trainer's own model the sharding each setting asks for: the mesh, the
     units still gathered after the first forward, and how far ahead of the blocks the all-gathers run."""
     cfg = tiny_config(parallel=parallel, train={"output_dir": str(tmp_path)})
     results = run_ranks(train_and_gather, world_size, cfg)
     assert_matches_reference(results, reference_run(cfg, world_size), loss_tol=2e-5, param_tol=2e-5)
-    mesh = ((2, 2), (Replicate(), Shard(0))) if parallel.get("dp_replicate") else ((world_size,), (Shard(0),))
+    replicas = parallel.get("dp_replicate", 1)
+    mesh = (((replicas, world_size // replicas), (Replicate(), Shard(0))) if replicas > 1
+            else ((world_size,), (Shard(0),)))
     for result in results:
         assert result["mesh"] == mesh
         assert result["gathered"] == gathered
@@ -304,6 +312,8 @@ def test_gradient_accumulation_equals_one_large_batch(tmp_path, defer):
     units = cfg.model.n_layers + 2  # the FSDP units with gradients: the embedding, each block, norm with output
     per_step = units * (1 if defer else cfg.train.grad_accum_steps)
     assert results[0]["reduce_scatters"] == [per_step] * cfg.train.steps
+    # Throughput counts every micro-batch of every rank: 2 x 2 x 2 samples of 32 tokens.
+    assert results[0]["tokens_per_step"] == 8 * cfg.train.seq_len
 
 
 def gather_initial_weights(*cfgs):
