@@ -325,7 +325,7 @@ def load_dcp(state: dict, path: Path, group: Optional[dist.ProcessGroup], fix: s
             dcp.load(state, checkpoint_id=str(path), process_group=group)
     except DCP_ERRORS as err:  # DCP gathers every rank's read errors and raises them on all ranks
         short = _short_files(path)
-        if not short and _lost_a_peer(err):
+        if not short and group is not None and _lost_a_peer(err):
             raise CheckpointError(f"checkpoint {path} could not be read ({dcp_cause(err)}): a rank stopped answering "
                                   "while the ranks loaded it (stuck in its reads, or gone: the watchdog's report "
                                   "names it); the files are not at fault. Resume again once that rank's storage and "
@@ -334,14 +334,18 @@ def load_dcp(state: dict, path: Path, group: Optional[dist.ProcessGroup], fix: s
         raise CheckpointError(f"checkpoint {path} could not be read ({dcp_cause(err)}): {found}; {fix}") from err
 
 
-_PEER_LOST = re.compile(r"timed out|connection (closed|reset|refused)|broken pipe|NCCL", re.IGNORECASE)
+_PEER_LOST = re.compile(r"timed out|connection (closed|reset|refused)|broken pipe|pair closure|socket closed",
+                        re.IGNORECASE)
 
 
 def _lost_a_peer(err: BaseException) -> bool:
-    """Whether a load failed in its collectives, not in the files: gloo's timeouts and lost connections are plain
-    RuntimeErrors, told apart only by their text."""
+    """Whether a load failed in its (gloo) collectives, not in the files: gloo's timeouts and lost connections are
+    plain RuntimeErrors, told apart only by their text. A storage fault is an OSError, whatever its text says (a
+    network file system's "Connection timed out", a path holding these words)."""
     failures = getattr(err, "failures", None)
     first = min(failures.items())[1][0] if failures else err
+    if isinstance(first, OSError):
+        return False
     return isinstance(first, dist.DistError) or bool(_PEER_LOST.search(str(first)))
 
 

@@ -1445,20 +1445,27 @@ GLOO_TIMEOUT = "[../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "gathered_by_dcp"])
 def test_a_load_that_lost_a_peer_does_not_blame_the_files(small, monkeypatch, wrapped):
     """A rank that stops answering while the ranks load (stuck reads, a dead host) fails the others' collectives
-    with gloo's plain RuntimeError: the error says so, and does not tell the user to set aside a good checkpoint."""
+    with gloo's plain RuntimeError: the error says so, and does not tell the user to set aside a good checkpoint.
+    A storage fault (an OSError, whatever its text) and a load in one process are the files' errors still."""
     path = small / "checkpoints" / "step_00000004"
-    lost = RuntimeError(GLOO_TIMEOUT)
-    error = ck.CheckpointException("DCP failed", {1: (lost, None)}) if wrapped else lost
+    group = object()  # any group: dcp.load is replaced
 
-    def load(*args, **kwargs):
-        raise error
+    def failing_with(exc: BaseException):
+        error = ck.CheckpointException("DCP failed", {1: (exc, None)}) if wrapped else exc
 
-    monkeypatch.setattr(ck.dcp, "load", load)
+        def load(*args, **kwargs):
+            raise error
+        monkeypatch.setattr(ck.dcp, "load", load)
+
+    failing_with(RuntimeError(GLOO_TIMEOUT))
     with pytest.raises(ck.CheckpointError) as failed:
-        ck.load_dcp({}, path, None, "rename it to step_00000004.unusable")
+        ck.load_dcp({}, path, group, "rename it to step_00000004.unusable")
     message = str(failed.value)
     assert "a rank stopped answering while the ranks loaded it" in message and "Timed out waiting" in message
     assert "corrupt" not in message and "unusable" not in message, message
-    monkeypatch.setattr(ck.dcp, "load", lambda *args, **kwargs: (_ for _ in ()).throw(EOFError()))
-    with pytest.raises(ck.CheckpointError, match="a file is corrupt or truncated; rename it"):
-        ck.load_dcp({}, path, None, "rename it to step_00000004.unusable")
+    for files_fault, group_used in [(EOFError(), group), (TimeoutError(110, "Connection timed out"), group),
+                                    (PermissionError(13, "Permission denied", "/runs/nccl_sweep/__0_0.distcp"), group),
+                                    (RuntimeError(GLOO_TIMEOUT), None)]:
+        failing_with(files_fault)
+        with pytest.raises(ck.CheckpointError, match="a file is corrupt or truncated; rename it"):
+            ck.load_dcp({}, path, group_used, "rename it to step_00000004.unusable")
