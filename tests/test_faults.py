@@ -87,28 +87,41 @@ def test_writing_a_profile_pauses_the_watchdog_and_a_rank_still_writing_is_named
     assert elapsed < ENDS_WITHIN, elapsed
 
 
+class ReportStore:
+    """The c10d store as Watchdog.report reads it, holding `reports` (rank: its report's fields)."""
+
+    def __init__(self, reports: dict):
+        from fsdp_trainer.faults import REPORT
+        self.keys = {REPORT.format(rank): json.dumps(fields) for rank, fields in reports.items()}
+
+    def check(self, keys):
+        return all(key in self.keys for key in keys)
+
+    def get(self, key):
+        return self.keys[key]
+
+
+def report_of(store: ReportStore, rank: int, world_size: int, timeout: float, steady: bool = True) -> str:
+    """What rank's watchdog reports from `store`: its report alone, without a thread or a group."""
+    from fsdp_trainer.faults import Watchdog
+    watchdog = Watchdog.__new__(Watchdog)
+    watchdog.rank, watchdog.world_size, watchdog.store = rank, world_size, store
+    watchdog.last_progress, watchdog.timeout, watchdog.steady = time.monotonic(), timeout, steady
+    return watchdog.report()
+
+
 def test_a_report_withdrawn_while_it_is_read_is_not_taken_for_a_dead_rank_or_a_dead_store():
     """Rank 1 leaves a checkpoint save, withdrawing its report, between rank 0's check of the key and its read."""
-    from fsdp_trainer.faults import REPORT, Watchdog
+    from fsdp_trainer.faults import REPORT
 
-    class Store:
-        def __init__(self):
-            self.keys = {REPORT.format(0): json.dumps([5, "waiting", "a"]),
-                         REPORT.format(1): json.dumps([5, "checkpointing", "b"])}
-
-        def check(self, keys):
-            return all(key in self.keys for key in keys)
-
+    class Store(ReportStore):
         def get(self, key):
             if key == REPORT.format(1):
                 del self.keys[key]
                 raise torch.distributed.DistStoreError("wait timeout")
             return self.keys[key]
 
-    watchdog = Watchdog.__new__(Watchdog)  # its report alone: no thread, no group
-    watchdog.rank, watchdog.world_size, watchdog.store = 0, 2, Store()
-    watchdog.last_progress, watchdog.timeout, watchdog.steady = time.monotonic(), 5.0, True
-    report = watchdog.report()
+    report = report_of(Store({0: [5, "waiting", "a"], 1: [5, "checkpointing", "b"]}), 0, 2, 5.0)
     assert "every rank finished step 5" in report and "sent no report" not in report, report
 
 
@@ -119,46 +132,22 @@ def test_a_report_withdrawn_while_it_is_read_is_not_taken_for_a_dead_rank_or_a_d
 def test_a_rank_that_answers_the_alarm_busy_is_a_suspect_unless_another_is_behind(busy_step, other_step, suspects):
     """Rank 0 answered rank 1's alarm within its own timeout (its watchdog started, or its last step ended, later),
     busy outside any collective: stuck, unless rank 1 is behind it."""
-    from fsdp_trainer.faults import REPORT, Watchdog
-
-    class Store:
-        keys = {REPORT.format(0): json.dumps([busy_step, "busy", "loop", True]),
-                REPORT.format(1): json.dumps([other_step, "waiting" if busy_step == other_step else "busy", "b", False])}
-
-        def check(self, keys):
-            return all(key in self.keys for key in keys)
-
-        def get(self, key):
-            return self.keys[key]
-
-    watchdog = Watchdog.__new__(Watchdog)  # its report alone: no thread, no group
-    watchdog.rank, watchdog.world_size, watchdog.store = 1, 2, Store()
-    watchdog.last_progress, watchdog.timeout, watchdog.steady = time.monotonic(), 5.0, True
-    assert suspects + "." in watchdog.report()
+    store = ReportStore({0: [busy_step, "busy", "loop", True],
+                         1: [other_step, "waiting" if busy_step == other_step else "busy", "b", False]})
+    assert suspects + "." in report_of(store, 1, 2, 5.0)
 
 
 def test_a_rank_busy_restoring_is_the_suspect_and_the_ranks_waiting_for_it_are_listed():
     """Before the first step every rank reports step 0: a rank busy in the restore is named as such, and the ranks
     waiting in its collectives as runs of ranks; the timeout to raise is the first step's."""
-    from fsdp_trainer.faults import REPORT, RESTORING, Watchdog
+    from fsdp_trainer.faults import RESTORING
 
-    class Store:
-        keys = {REPORT.format(r): json.dumps([0, "waiting", "all_gather (distributed_c10d.py:1)", r != 2])
-                for r in range(5)}
-        keys[REPORT.format(2)] = json.dumps([0, RESTORING, "read (storage.py:7)", False])
-
-        def check(self, keys):
-            return all(key in self.keys for key in keys)
-
-        def get(self, key):
-            return self.keys[key]
-
-    watchdog = Watchdog.__new__(Watchdog)  # its report alone: no thread, no group
-    watchdog.rank, watchdog.world_size, watchdog.store = 2, 5, Store()
-    watchdog.last_progress, watchdog.timeout, watchdog.steady = time.monotonic(), 6.0, False
+    reports = {r: [0, "waiting", "all_gather (distributed_c10d.py:1)", True] for r in range(5)}
+    reports[2] = [0, RESTORING, "read (storage.py:7)", False]
     assert ("suspect rank(s): 2 (still restoring a checkpoint, at read (storage.py:7); check its storage). Rank(s) "
             "0-1, 3-4 wait in a collective or GPU sync. If start-up (a restore, compilation, the first step) is "
-            "legitimately this slow, raise dist.init_timeout_s.") in watchdog.report()
+            "legitimately this slow, raise dist.init_timeout_s.") in report_of(ReportStore(reports), 2, 5, 6.0,
+                                                                               steady=False)
 
 
 @pytest.mark.parametrize("variable", [None, "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"],
