@@ -137,6 +137,17 @@ def test_invalid_settings_name_field_value_and_fix(section, key, value, message)
         validate(cfg, 1, "cpu")
 
 
+@pytest.mark.parametrize("source", ["stdlib", "synthetic", "tokens"])
+def test_data_path_is_refused_for_every_source_that_does_not_read_it(source):
+    cfg = Config()
+    cfg.data.path, cfg.data.source = "shards", source
+    if source == "tokens":
+        validate(cfg, 1, "cpu")
+    else:
+        with pytest.raises(ConfigError, match=re.escape(f"data.source={source} does not read it")):
+            validate(cfg, 1, "cpu")
+
+
 @pytest.mark.parametrize("section,key,value", [
     ("profile", "steps", "5:200"),  # the last step is traced too
     ("checkpoint", "keep", 1),
