@@ -78,7 +78,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fsdp_trainer.config import Config, ConfigError, checkpoint_root, from_dict, mesh_shape, to_toml
 from fsdp_trainer.data import fsync_folder, samples_per_step, write_atomic
 from fsdp_trainer.distributed import DistInfo, logger
-from fsdp_trainer.faults import BACKSTOP_S, Watchdog
+from fsdp_trainer.faults import ATTEMPT, BACKSTOP_S, Watchdog, spans
 from fsdp_trainer.models.llama import model_args_from_config
 
 MARKER = "trainer_state.json"
@@ -94,6 +94,9 @@ _REQUIRED = ("step", "consumed_samples", "tokens_seen", "world_size", "mesh", "g
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # DCP's CheckpointException derives from BaseException, so `except Exception` would let it through.
 DCP_ERRORS = (Exception, CheckpointException)
+# Set in the c10d store by each rank once its part of a save is on storage: a save whose exchange timed out names the
+# ranks without it. Per torchrun restart, as the watchdog's reports are.
+WRITTEN = f"fsdp_trainer/written/{ATTEMPT}/{{step}}/{{rank}}"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -339,7 +342,7 @@ _PEER_LOST = re.compile(r"timed out|connection (closed|reset|refused)|broken pip
 
 
 def _lost_a_peer(err: BaseException) -> bool:
-    """Whether a load failed in its (gloo) collectives, not in the files: gloo's timeouts and lost connections are
+    """Whether a load or a save failed in its (gloo) collectives, not in the files: gloo's timeouts and lost connections are
     plain RuntimeErrors, told apart only by their text. A storage fault is an OSError, whatever its text says (a
     network file system's "Connection timed out", a path holding these words)."""
     failures = getattr(err, "failures", None)
@@ -428,12 +431,13 @@ class CheckpointWriter(dcp.FileSystemWriter):
     With `checksums`, it records the size and CRC32 of every file: DCP keeps none, so a shard changed on storage
     after the save (a flipped bit, a copy cut short) would load without a word. Each rank sums its files as its
     writer threads write them (an async save's background threads), and the sums travel to the coordinator with
-    DCP's own write results. There, `sums` holds every file's once the save is done."""
+    DCP's own write results. There, `sums` holds every file's once the save is done. `on_written` is called once
+    this rank's files are on storage."""
 
-    def __init__(self, path: str, thread_count: int, checksums: bool):
+    def __init__(self, path: str, thread_count: int, checksums: bool, on_written: Callable[[], None] = lambda: None):
         # fsync stays on: the completion marker must never reach the disk before the shards it vouches for.
         super().__init__(path, thread_count=thread_count, sync_files=True)
-        self.checksums = checksums
+        self.checksums, self.on_written = checksums, on_written
         self.fs = _SummingFileSystem() if checksums else _WatchedFileSystem()
         self.sums: dict[str, list[int]] = {}
 
@@ -455,6 +459,7 @@ class CheckpointWriter(dcp.FileSystemWriter):
             self._raise_first_failure()
             raise RuntimeError(f"{len(plan.items) - len(results)} of this rank's {len(plan.items)} tensors were not "
                                "written: a writer thread failed outside its file (its error is printed above)")
+        self.on_written()
         if not self.checksums:
             return written
         carrying: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
@@ -915,6 +920,8 @@ class Checkpointer:
         self._started_from: Optional[str] = None  # set by restore(): see _choose_resume
         self._last_save = time.monotonic()
         self._config_toml = to_toml(cfg)
+        self._store = dist.distributed_c10d._get_default_store()
+        self._marked_step: Optional[int] = None  # this rank's last WRITTEN mark
 
     # -- resume ------------------------------------------------------------------------------------------
     def restore(self) -> Progress:
@@ -1202,7 +1209,8 @@ class Checkpointer:
             begun = time.perf_counter()
             path = step_dir(self.root, progress.step)
             self._make_room(path)
-            writer = CheckpointWriter(str(path), self.cfg.checkpoint.write_threads, self.cfg.checkpoint.checksums)
+            writer = CheckpointWriter(str(path), self.cfg.checkpoint.write_threads, self.cfg.checkpoint.checksums,
+                                      on_written=lambda step=progress.step: self._mark_written(step))
             future = self._write(writer)
             save = _Save(progress.step, path, future, writer, self._trainer_state(progress), begun,
                          time.perf_counter() - start)
@@ -1307,7 +1315,7 @@ class Checkpointer:
         try:
             save.future.result()
         except DCP_ERRORS as err:  # not a CheckpointError: it is this rank's, and deserves its traceback
-            raise RuntimeError(f"saving checkpoint {save.path} failed: {dcp_cause(err)}") from err
+            raise RuntimeError(f"saving checkpoint {save.path} failed: {self._save_failure(save.step, err)}") from err
         if not self.info.is_main:
             return
         _test_crash("before_marker", save.step)
@@ -1323,6 +1331,35 @@ class Checkpointer:
         logger.info(f"checkpoint {save.path} complete: {size / 1e9:.3f} GB in {seconds:.2f} s "
                     f"({size / 1e9 / max(seconds, 1e-9):.2f} GB/s; training blocked {save.blocked:.2f} s)")
         self._retain()
+
+    def _mark_written(self, step: int) -> None:
+        """Say that this rank's part of `step`'s save is on storage (WRITTEN), from the writer's thread, and withdraw
+        the mark of its save before: the store keeps at most two per rank however long the run."""
+        try:
+            self._store.set(WRITTEN.format(step=step, rank=self.info.rank), "1")
+            if self._marked_step is not None:
+                self._store.delete_key(WRITTEN.format(step=self._marked_step, rank=self.info.rank))
+            self._marked_step = step
+        except Exception as err:  # noqa: BLE001 - the store lives on the rendezvous host; the save does not need it
+            logger.warning(f"rank {self.info.rank}: the c10d store cannot be reached ({err}); should the save of step "
+                           f"{step} fail, this rank may be named among those that did not write their part")
+
+    def _save_failure(self, step: int, err: BaseException) -> str:
+        """A failed save's cause. Where its exchange lost a peer, the ranks that had not written their part by then,
+        for DCP's timeout names none: the ranks it waited for are the ones to check."""
+        cause = dcp_cause(err)
+        if self.info.world_size == 1 or not _lost_a_peer(err):
+            return cause
+        try:
+            unwritten = [rank for rank in range(self.info.world_size)
+                         if not self._store.check([WRITTEN.format(step=step, rank=rank)])]
+        except Exception:  # noqa: BLE001 - the store may have gone with the peer: the cause alone, then
+            return cause
+        if not unwritten:
+            return f"{cause}; every rank had written its part: a rank stopped answering in the save's last exchange"
+        return (f"rank(s) {spans(unwritten)} had not written their part of it when this rank stopped waiting for "
+                f"them, dist.init_timeout_s + {BACKSTOP_S} s into the save's exchange ({cause}): their storage, or "
+                "the ranks themselves, hang; check those hosts. Older checkpoints are untouched")
 
     def _retain(self) -> None:
         """Delete complete checkpoints beyond checkpoint.keep, and incomplete ones older than the newest complete

@@ -42,9 +42,9 @@ EXIT_HANG = 3
 # on the suspect, and the report of the rank that times out next would call it dead.
 BACKSTOP_S = 60
 # Per torchrun restart: a restarted job must not read the reports or the alarm of the attempt before.
-_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-REPORT = f"fsdp_trainer/stalled/{_ATTEMPT}/{{}}"
-ALARM = f"fsdp_trainer/stalled/{_ATTEMPT}/alarm"  # set by the first watchdog to time out: the others report at once
+ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+REPORT = f"fsdp_trainer/stalled/{ATTEMPT}/{{}}"
+ALARM = f"fsdp_trainer/stalled/{ATTEMPT}/alarm"  # set by the first watchdog to time out: the others report at once
 # What a rank does while its watchdog is paused, as its report says.
 CHECKPOINTING, WRITING_PROFILE = "checkpointing", "writing a profile"
 # What a rank busy in watched work does (Watchdog.doing), as its report says.
@@ -301,7 +301,7 @@ class Watchdog:
             verdict = "suspect rank(s): " + "; ".join(f"{r} ({why})" for r, why in sorted(suspects.items()))
             waiting = [r for r, report in reports.items() if r not in suspects and report[1] == "waiting"]
             if waiting:
-                verdict += f". Rank(s) {_spans(waiting)} wait in a collective or GPU sync"
+                verdict += f". Rank(s) {spans(waiting)} wait in a collective or GPU sync"
         else:
             verdict = (f"every rank finished step {high} and waits in a collective, a GPU sync or a checkpoint "
                        "save: a communication problem; run `python -m fsdp_trainer.doctor` on these nodes")
@@ -311,7 +311,7 @@ class Watchdog:
                 f"If {slow} legitimately this slow, raise {flag}.")
 
 
-def _spans(ranks: list[int]) -> str:
+def spans(ranks: list[int]) -> str:
     """Ascending ranks as runs, "0-3, 5, 7-8": a job of thousands of ranks fits a line."""
     runs: list[list[int]] = []
     for r in ranks:

@@ -8,7 +8,8 @@ next wait in the stop/save vote or a save); stall_slow (the same, where the othe
 as a large model's would); term (SIGTERM to itself as the step begins, as from a scheduler).
 preempt: SIGUSR1 while the model is built, before the first step. slow_profile: writing the profile's trace takes
 <step> seconds longer. hang_restore: reading a checkpoint's files hangs (<step> unused), as on hung storage: a resume
-hangs in the restore.
+hangs in the restore. hang_writes: writing a checkpoint's files hangs (<step> unused), and the checkpointer's groups
+time out after dist.init_timeout_s alone, not 60 s later, to keep the test short.
 """
 
 import os
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from fsdp_trainer import train
+from fsdp_trainer import checkpoint, train
 
 fault, fault_rank, fault_step = sys.argv[1], sys.argv[2], int(sys.argv[3])
 train_flags = sys.argv[sys.argv.index("--") + 1:]
@@ -73,17 +74,23 @@ def slow_export(self, path):
 real_create_stream = FileSystem.create_stream
 
 
-@contextmanager
-def hung_reads(self, path, mode):
-    if "r" in mode and chosen:
-        time.sleep(3600)
-    with real_create_stream(self, path, mode) as stream:
-        yield stream
+def hung_streams(direction: str):
+    """FileSystem.create_stream whose files opened for `direction` ("r" or "w") hang on the chosen rank."""
+    @contextmanager
+    def create_stream(self, path, mode):
+        if direction in mode and chosen:
+            time.sleep(3600)
+        with real_create_stream(self, path, mode) as stream:
+            yield stream
+    return create_stream
 
 
 if fault == "slow_profile":
     torch.profiler.profile.export_chrome_trace = slow_export
 if fault == "hang_restore":
-    FileSystem.create_stream = hung_reads
+    FileSystem.create_stream = hung_streams("r")
+if fault == "hang_writes":
+    FileSystem.create_stream = hung_streams("w")
+    checkpoint.BACKSTOP_S = 0
 train.train_step, train.build_model = faulty_step, build_model_preempted
 train.main(train_flags)

@@ -1469,3 +1469,57 @@ def test_a_load_that_lost_a_peer_does_not_blame_the_files(small, monkeypatch, wr
         failing_with(files_fault)
         with pytest.raises(ck.CheckpointError, match="a file is corrupt or truncated; rename it"):
             ck.load_dcp({}, path, group_used, "rename it to step_00000004.unusable")
+
+
+def test_a_failed_save_names_the_ranks_without_a_written_mark_only_when_a_peer_was_lost():
+    """The ranks to check after a save's exchange timed out are those whose WRITTEN mark is missing, as spans; a
+    storage fault's error, a save that lost a peer after every rank wrote, or a store gone too, say no more than
+    the cause."""
+    class Store:
+        def __init__(self, keys, reachable=True):
+            self.keys, self.reachable = keys, reachable
+
+        def check(self, keys):
+            if not self.reachable:
+                raise RuntimeError("Connection reset by peer")
+            return all(key in self.keys for key in keys)
+
+    def failure(written_ranks, err, reachable=True):
+        keys = {ck.WRITTEN.format(step=7, rank=r) for r in written_ranks}
+        keys.add(ck.WRITTEN.format(step=6, rank=3))  # an earlier save's mark is not this one's
+        saver = types.SimpleNamespace(info=types.SimpleNamespace(world_size=5), _store=Store(keys, reachable))
+        return ck.Checkpointer._save_failure(saver, 7, err)
+
+    timeout = ck.CheckpointException("DCP failed", {0: (RuntimeError(GLOO_TIMEOUT), None)})
+    message = failure([0, 4], timeout)
+    assert message.startswith("rank(s) 1-3 had not written their part of it when this rank stopped waiting"), message
+    assert "Timed out waiting" in message and "dist.init_timeout_s + 60 s" in message
+    assert failure(range(5), timeout).endswith("every rank had written its part: a rank stopped answering in the "
+                                               "save's last exchange")
+    assert failure([0], timeout, reachable=False) == ck.dcp_cause(timeout)
+    disk_full = OSError(errno.ENOSPC, "No space left on device", "/ckpt/__1_0.distcp")
+    assert failure([0], disk_full) == ck.dcp_cause(disk_full)
+
+
+def test_a_rank_keeps_one_written_mark_per_save_in_flight_and_saves_on_without_the_store(caplog):
+    """Each mark withdraws the rank's one before, so the store holds at most two per rank however many saves; a
+    store that cannot be reached costs a warning, not the save."""
+    class Store:
+        def __init__(self):
+            self.keys, self.reachable = set(), True
+
+        def set(self, key, value):
+            if not self.reachable:
+                raise RuntimeError("Connection refused")
+            self.keys.add(key)
+
+        def delete_key(self, key):
+            self.keys.remove(key)
+
+    saver = types.SimpleNamespace(info=types.SimpleNamespace(rank=2), _store=Store(), _marked_step=None)
+    for step in (4, 8, 12):
+        ck.Checkpointer._mark_written(saver, step)
+    assert saver._store.keys == {ck.WRITTEN.format(step=12, rank=2)}
+    saver._store.reachable = False
+    ck.Checkpointer._mark_written(saver, 16)
+    assert "should the save of step 16 fail, this rank may be named" in caplog.text

@@ -250,11 +250,27 @@ def test_a_rank_hung_in_the_restore_is_named_before_the_group_timeout_ends_the_o
     proc, elapsed = launch("hang_restore", "1", 0, tmp_path, "--train.steps", "2", "--dist.init_timeout_s", "6",
                            "--dist.timeout_s", "20")
     assert f"exitcode  : {EXIT_HANG}" in proc.stderr, proc.stderr[-3000:]  # torchrun's summary of the failed ranks
-    assert "suspect rank(s): 1 (still restoring a checkpoint, at hung_reads (fault_worker.py:" in proc.stderr, \
+    assert "suspect rank(s): 1 (still restoring a checkpoint, at create_stream (fault_worker.py:" in proc.stderr, \
         proc.stderr[-3000:]
     assert "Rank(s) 0 wait in a collective or GPU sync. If start-up" in proc.stderr
     assert "sent no report" not in proc.stderr and "Timed out" not in proc.stderr, proc.stderr[-3000:]
     assert elapsed < 6 + BACKSTOP_S, elapsed  # start-up included
+
+
+def test_a_save_whose_exchange_times_out_names_the_ranks_that_had_not_written(tmp_path):
+    """Rank 1's writes hang in the (async) save of step 1; rank 0 writes its part, waits in DCP's exchange until the
+    checkpointer's group times out (fault_worker shortens it to dist.init_timeout_s), and names rank 1, found by the
+    marks in the store, not by gloo's timeout, which names no rank. Nothing is committed."""
+    proc, elapsed = launch("hang_writes", "1", 0, tmp_path, "--train.steps", "2", "--checkpoint.interval", "1",
+                           "--dist.init_timeout_s", "6")
+    assert proc.returncode != 0
+    from fsdp_trainer.checkpoint import MARKER, step_dir
+
+    step_1 = step_dir(tmp_path / "checkpoints", 1)
+    assert f"saving checkpoint {step_1} failed: rank(s) 1 had not written their part of it" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert not (step_1 / MARKER).exists()
+    assert elapsed < ENDS_WITHIN, elapsed
 
 
 def test_a_restore_is_watched_not_paused_so_a_job_stuck_in_it_on_every_rank_ends(tmp_path):
