@@ -72,6 +72,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -79,7 +80,7 @@ from fsdp_trainer.config import Config, ConfigError, checkpoint_root, from_dict,
 from fsdp_trainer.data import fsync_folder, samples_per_step, write_atomic
 from fsdp_trainer.distributed import DistInfo, logger
 from fsdp_trainer.faults import ATTEMPT, BACKSTOP_S, Watchdog, spans
-from fsdp_trainer.models.llama import model_args_from_config
+from fsdp_trainer.models.llama import Transformer, model_args_from_config
 
 MARKER = "trainer_state.json"
 CHECKSUMS = "checksums"  # the marker's {file name: [size, CRC32]} of the .distcp files and .metadata
@@ -89,6 +90,8 @@ MARKER_SUM = "marker_crc32"
 NO_CHECKSUMS = "it has no checksums (saved with --checkpoint.no_checksums, or by an older fsdp_trainer)"
 CONFIG = "config.toml"
 FORMAT = 1
+MODEL_CLASS = "model_class"  # the trainer state's record of the model's class, as "module.QualName"
+LLAMA_CLASS = f"{Transformer.__module__}.{Transformer.__qualname__}"
 # What resume and `list` read from trainer_state.json; a marker without one of them is not a usable checkpoint.
 _REQUIRED = ("step", "consumed_samples", "tokens_seen", "world_size", "mesh", "global_batch", "scheduler", "saved_at")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -125,6 +128,19 @@ class Progress:
 def step_dir(root: Path, step: int) -> Path:
     """The folder of the checkpoint of `step` under `root`."""
     return Path(root) / f"step_{step:08d}"
+
+
+def model_class(model: nn.Module) -> type:
+    """The model's own class, not the subclass fully_shard swaps in (FSDPGPT2 for GPT2)."""
+    return next(cls for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
+
+
+def own_model_class(state: dict) -> Optional[str]:
+    """The class a checkpoint's model was, by its trainer state, if it is a team's own (train.main's model_fn):
+    config.toml's --model.* settings then describe a Llama preset that was never trained. None for fsdp_trainer's
+    Llama, and for checkpoints saved before the class was recorded."""
+    saved = state.get(MODEL_CLASS)
+    return saved if saved not in (None, LLAMA_CLASS) else None
 
 
 def read_trainer_state(path: Path) -> dict:
@@ -604,6 +620,13 @@ def tensor_shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
 
 
 def _saved_model_settings(path: Path) -> str:
+    """What the checkpoint at `path` records of its model, as a sentence: its --model.* settings, or its own class."""
+    try:
+        own = own_model_class(read_trainer_state(path))
+    except (OSError, ValueError):
+        own = None
+    if own:
+        return f" It holds a model of your own, {own}."
     try:
         model = tomllib.loads((Path(path) / CONFIG).read_text()).get("model", {})
     except (OSError, ValueError):
@@ -920,6 +943,7 @@ class Checkpointer:
         self._started_from: Optional[str] = None  # set by restore(): see _choose_resume
         self._last_save = time.monotonic()
         self._config_toml = to_toml(cfg)
+        self._model_class = model_class(model)
         self._store = dist.distributed_c10d._get_default_store()
         self._marked_step: Optional[int] = None  # this rank's last WRITTEN mark
 
@@ -1078,7 +1102,10 @@ class Checkpointer:
 
     def _check_model_settings(self, path: Path, fix: str) -> None:
         """A CheckpointError if a model setting that no tensor shape shows differs from the saved one: the resumed
-        run would go on training another function than the one saved."""
+        run would go on training another function than the one saved. None for a model of one's own: config.toml's
+        settings are of a preset that was not trained."""
+        if self._model_class is not Transformer:
+            return
         then, now, flags = shapeless_changes(path, model_args_from_config(self.cfg.model))
         if then:
             raise CheckpointError(f"checkpoint {path} was saved with {then}, but this run has {now}: set {flags}. "
@@ -1290,6 +1317,7 @@ class Checkpointer:
                 "mesh": dict(zip(("dp_replicate", "dp_shard"), mesh_shape(self.cfg.parallel, self.info.world_size))),
                 "global_batch": self._global_batch(), "seq_len": self.cfg.train.seq_len, "data": self.data,
                 "started_from": self._started_from, "scheduler": self.scheduler.state_dict(),
+                MODEL_CLASS: f"{self._model_class.__module__}.{self._model_class.__qualname__}",
                 "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__}
 

@@ -28,11 +28,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp_trainer.checkpoint import (CONFIG, CheckpointError, check_shapes, load_dcp, read_metadata, resolve,
-                                     saved_config, shapeless_changes, tensor_shapes, checked)
+from fsdp_trainer.checkpoint import (CONFIG, CheckpointError, check_shapes, checked, load_dcp, model_class,
+                                     own_model_class, read_metadata, resolve, saved_config, shapeless_changes,
+                                     tensor_shapes)
 from fsdp_trainer.config import Config, to_toml
 from fsdp_trainer.distributed import logger
-from fsdp_trainer.models.llama import ModelArgs, build, model_args_from_config
+from fsdp_trainer.models.llama import ModelArgs, Transformer, build, model_args_from_config
 
 
 def _hf_names(n_layers: int) -> dict[str, str]:
@@ -100,6 +101,12 @@ def load_consolidated(path: Path, checksums: bool = True) -> tuple[dict[str, tor
     `checksums`, the files are checked against those the save recorded, if any."""
     checkpoint = resolve(path, "checkpoint")
     path, fix = checkpoint.path, "export an earlier complete checkpoint"
+    own = own_model_class(checkpoint.state)
+    if own:
+        raise CheckpointError(f"checkpoint {path} holds a model of your own, {own}; export converts fsdp_trainer's "
+                              "Llama only. Its full weights: torch.distributed.checkpoint.format_utils."
+                              f"dcp_to_torch_save('{path}', 'model.pt'), then your_model.load_state_dict("
+                              "torch.load('model.pt')['model'])")
     metadata = read_metadata(checkpoint, fix, checksums)
     cfg = saved_config(path)  # before the tensors: a large model's take minutes to read
     # config.toml may have been copied in from another run (saved_config asks for that when it is lost): blocks it
@@ -336,13 +343,15 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
     checkpoint = resolve(source, "--checkpoint.init_from")
     path, model_sd = checkpoint.path, get_model_state_dict(model)
     fix = "give --checkpoint.init_from an earlier complete checkpoint"
+    own = own_model_class(checkpoint.state) or model_class(model) is not Transformer
     check_shapes(path, read_metadata(checkpoint, fix, threads > 0), tensor_shapes({"model": model_sd}), "model.",
-                 "Set the --model.* flags it was saved with.")
+                 "Build the model it was saved with." if own else "Set the --model.* flags it was saved with.")
     # Heads of the same shapes would cut the saved projections into others. A tied checkpoint loads into an untied
     # model as two equal tensors (untying it); the other way round, one of the saved two would overwrite the other
     # in the model's single tensor. Another RoPE base is a new run's choice (a longer context, say).
-    then, now, flags = shapeless_changes(path, args, ("n_heads", "n_kv_heads")
-                                         + (("tie_embeddings",) if args.tie_embeddings else ()))
+    # (A model of one's own has none of these settings: config.toml's are of a preset that was not trained.)
+    then, now, flags = ("", "", "") if own else shapeless_changes(
+        path, args, ("n_heads", "n_kv_heads") + (("tie_embeddings",) if args.tie_embeddings else ()))
     if then:
         raise CheckpointError(f"checkpoint {path} was saved with {then}, but this model has {now}, and its weights "
                               f"would compute another function: set {flags}")

@@ -1523,3 +1523,28 @@ def test_a_rank_keeps_one_written_mark_per_save_in_flight_and_saves_on_without_t
     saver._store.reachable = False
     ck.Checkpointer._mark_written(saver, 16)
     assert "should the save of step 16 fail, this rank may be named" in caplog.text
+
+
+def test_an_own_model_s_checkpoint_names_its_class_and_no_llama_preset(tmp_path):
+    """config.toml's --model.* settings describe a preset an own-model run never trained: a checkpoint records the
+    model's class instead, mismatch errors name it rather than those flags, and export refuses it up front with a
+    route to its weights that works."""
+    cfg = tiny_config(data={"source": "synthetic"}, train={"output_dir": str(tmp_path), "steps": 2},
+                      checkpoint={"async_mode": "none"})
+    run_ranks(train_dropout_gpt2, 1, cfg)
+    path = ck.step_dir(tmp_path / "checkpoints", 2)
+    own = f"{DropoutGPT2.__module__}.DropoutGPT2"
+    assert ck.read_trainer_state(path)[ck.MODEL_CLASS] == own
+
+    with pytest.raises(ck.CheckpointError) as refused:
+        weights.load_consolidated(path)
+    assert f"holds a model of your own, {own}; export converts fsdp_trainer's Llama only" in str(refused.value)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(str(path), str(tmp_path / "model.pt"))  # the route the error gives
+    DropoutGPT2().load_state_dict(torch.load(tmp_path / "model.pt")["model"])  # strict: every key, every shape
+
+    llama = build(model_args_from_config(cfg.model))
+    with pytest.raises(ck.CheckpointError) as misfit:
+        weights.load_weights(llama, str(path), model_args_from_config(cfg.model), threads=0)
+    assert f"It holds a model of your own, {own}. Build the model it was saved with." in str(misfit.value)
+    assert "--model." not in str(misfit.value)
