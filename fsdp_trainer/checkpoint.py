@@ -13,7 +13,8 @@ Runbook:
     # signal exits at once. Signal the ranks, not torchrun:
     # torchrun dies of SIGUSR1, and passes SIGTERM on but kills the ranks 30 s later, saved or not. So start
     # `bash launch/relay_signals.sh torchrun ...` and signal that script, or on each node signal torchrun's
-    # children: `pkill -USR1 -P <torchrun's pid>` (`pkill -f fsdp_trainer.train` matches torchrun itself too).
+    # children, once they have logged: `pkill -USR1 -P <torchrun's pid>` (`pkill -f fsdp_trainer.train` matches
+    # torchrun itself too). In a rank's first seconds, while it imports torch, a signal still kills it.
     python -m fsdp_trainer.checkpoint list outputs/checkpoints
     python -m fsdp_trainer.checkpoint verify outputs/checkpoints/step_00000200        # e.g. after copying it
     python -m fsdp_trainer.checkpoint export outputs/checkpoints/step_00000200 exported/  # model.pt (+ HF Llama)
@@ -248,12 +249,14 @@ def check_usable(path: Path) -> Checkpoint:
 
 
 def ways_past(path: Path) -> str:
-    """What to do about the committed but unusable or corrupt checkpoint `path`. Both ways work as written:
-    resume refuses a run that would save where newer committed checkpoints lie, so either `path` leaves its
-    folder's step_* names, or the run saves to another folder."""
+    """What to do about the committed but unusable or corrupt checkpoint `path`. For a run's step_* folder, both
+    ways work as written: resume refuses a run that would save where newer committed checkpoints lie, so either
+    `path` leaves its folder's step_* names, or the run saves to another folder."""
     path = Path(path)
     match = _STEP_DIR.match(path.name)
-    older = [p for step, p in list_checkpoints(path.parent) if match is None or step < int(match.group(1))]
+    if match is None:  # a copy, say: no run resumes from it or deletes it by itself, and renaming it does nothing
+        return "use another checkpoint"
+    older = [p for step, p in list_checkpoints(path.parent) if step < int(match.group(1))]
     # Newest first, reading markers only until one is usable: resume computes this before it knows of any problem.
     previous = next((p for p in reversed(older) if _is_complete(p)), None)
     aside = f"rename it (mv {path} {path}.unusable: resume and retention see only folders named step_<number>)"

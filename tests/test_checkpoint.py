@@ -1548,3 +1548,16 @@ def test_an_own_model_s_checkpoint_names_its_class_and_no_llama_preset(tmp_path)
         weights.load_weights(llama, str(path), model_args_from_config(cfg.model), threads=0)
     assert f"It holds a model of your own, {own}. Build the model it was saved with." in str(misfit.value)
     assert "--model." not in str(misfit.value)
+
+
+def test_a_damaged_copy_outside_a_run_s_step_folders_is_not_told_to_be_renamed(small, tmp_path, capsys):
+    """Renaming a folder that is no run's step_<number> changes nothing, and resume auto never looked at it: the
+    ways on are copying it again or another checkpoint."""
+    copy = tmp_path / "mycopy"
+    shutil.copytree(small / "checkpoints/step_00000004", copy)
+    flip_a_bit(copy / "__0_0.distcp")
+    with pytest.raises(SystemExit):
+        ck.main(["verify", str(copy)])
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("copy it again from where it was saved; or use another checkpoint"), err
+    assert ".unusable" not in err and "resume auto" not in err
