@@ -1,4 +1,5 @@
-"""Shared test helpers: run a function on N real gloo ranks, tiny configs, op counts, FSDP2 gather state, launches."""
+"""Shared test helpers: run a function on N real gloo ranks, tiny configs, op counts, FSDP2 gather state, launches,
+launches side by side."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import sys
 import time
 import traceback
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -143,3 +147,19 @@ def launch_fault(fault: str, rank: str, step: int, *train_flags: str, nproc: int
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=checkout_env(), capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - start
+
+
+def node_name(test: Callable, case: object = None) -> str:
+    """The name pytest gives `test` (the function), with the id of its parameters `case`: its request.node.name."""
+    return test.__name__ if case is None else f"{test.__name__}[{case}]"
+
+
+def side_by_side(request: pytest.FixtureRequest, runs: dict[str, Callable[[], object]],
+                 at_once: int) -> dict[str, Future]:
+    """For a module-scoped fixture: the runs of the tests of its module selected in this session (keyed by test name,
+    as node_name gives it), each in a thread, `at_once` at a time in the order given, all finished. Launches that
+    spend much of their time waiting (on a deadline, a stand-in's sleep) or on one core take less time side by side
+    than one after another. A test takes its run's outcome with .result(), which raises there what the run raised."""
+    selected = {item.name for item in request.session.items if item.module is request.module}
+    with ThreadPoolExecutor(at_once) as pool:
+        return {name: pool.submit(run) for name, run in runs.items() if name in selected}

@@ -8,12 +8,15 @@ import os
 import shlex
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from fsdp_trainer.doctor import FAULT_VAR
+
+from helpers import node_name, side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -177,18 +180,25 @@ def test_error_line_is_the_childs_error_not_torchruns_summary():
         "exit status 1, no error in its output"
 
 
-@pytest.mark.parametrize("flags,error", [
-    (["--ac.mode", "bogus"], "invalid choice 'bogus' for argument '--ac.mode'. Expected one of ('none', 'full', "
-                             "'selective', 'op')."),
-    (["--train.stepz", "3"], "Unrecognized options: --train.stepz, 3"),
-])
-def test_error_line_reads_tyros_message_about_a_bad_flag(flags, error):
+# The bad flags' cases: the flags, and the error line read from tyro's message about them.
+BAD_FLAGS = {"choice": (["--ac.mode", "bogus"], "invalid choice 'bogus' for argument '--ac.mode'. Expected one of "
+                                                "('none', 'full', 'selective', 'op')."),
+             "unknown": (["--train.stepz", "3"], "Unrecognized options: --train.stepz, 3")}
+
+
+def bad_flag_run(flags: list[str]) -> subprocess.CompletedProcess:
+    """test_error_line_reads_tyros_message_about_a_bad_flag's run."""
+    return subprocess.run([sys.executable, "-m", "fsdp_trainer.train", *flags], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "60"})  # narrow: the message wraps
+
+
+@pytest.mark.parametrize("case", BAD_FLAGS)
+def test_error_line_reads_tyros_message_about_a_bad_flag(script_run, case):
     """tyro draws its message in a box, wrapped over several lines, with no line that says "error:"."""
     from runs import error_line
 
-    proc = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", *flags], capture_output=True, text=True,
-                          env={**os.environ, "COLUMNS": "60"})  # narrow: the message wraps
-    assert proc.returncode == 2 and error_line(proc) == error
+    proc = script_run.result()
+    assert proc.returncode == 2 and error_line(proc) == BAD_FLAGS[case][1]
 
 
 def test_steady_state_counts_windows_from_warmup_on_over_all_their_steps():
@@ -303,11 +313,16 @@ def written(results_dir: Path, name: str) -> dict:
     return json.loads(path.read_text())
 
 
-def test_scaling_runs_one_and_two_ranks_with_the_smallest_as_baseline(tmp_path):
-    proc = run_script("scaling.py", "--config", "configs/debug.toml", "--gpus", "2", "1", "--steps", "4",
-                      "--log-every", "2", "--warmup", "2", "--", *SMALL, results_dir=tmp_path)
+def scaling_run(tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """test_scaling_runs_one_and_two_ranks_with_the_smallest_as_baseline's run: (its results folder, the run)."""
+    return tmp_path, run_script("scaling.py", "--config", "configs/debug.toml", "--gpus", "2", "1", "--steps", "4",
+                                "--log-every", "2", "--warmup", "2", "--", *SMALL, results_dir=tmp_path)
+
+
+def test_scaling_runs_one_and_two_ranks_with_the_smallest_as_baseline(script_run):
+    results, proc = script_run.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    data = written(tmp_path, "scaling_debug")
+    data = written(results, "scaling_debug")
     assert data["gpus"] == 2
     one, two = data["rows"]
     assert (one["gpus"], two["gpus"]) == (1, 2) and one["efficiency"] == 1.0
@@ -353,13 +368,18 @@ def test_ddp_gets_the_configs_ac_compile_and_compute_dtype(monkeypatch):
     assert autocast.fast_dtype == torch.float16  # the config's, not a fixed bf16
 
 
-def test_fsdp_and_ddp_train_alike_on_two_cpu_ranks(tmp_path):
+def fsdp_and_ddp_run(tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """test_fsdp_and_ddp_train_alike_on_two_cpu_ranks's run: (its results folder, the run)."""
+    return tmp_path, run_script("fsdp_vs_ddp.py", "--config", "configs/debug.toml", "--nproc", "2", "--steps", "3",
+                                "--warmup", "1", "--", *SMALL, "--ac.mode", "full", "--train.grad_accum_steps", "2",
+                                "--parallel.defer_grad_sync", results_dir=tmp_path)
+
+
+def test_fsdp_and_ddp_train_alike_on_two_cpu_ranks(script_run):
     """Also with gradient sync deferred to the last micro-batch, which DDP does as no_sync()."""
-    proc = run_script("fsdp_vs_ddp.py", "--config", "configs/debug.toml", "--nproc", "2", "--steps", "3",
-                      "--warmup", "1", "--", *SMALL, "--ac.mode", "full", "--train.grad_accum_steps", "2",
-                      "--parallel.defer_grad_sync", results_dir=tmp_path)
+    results, proc = script_run.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    fsdp, ddp = written(tmp_path, "fsdp_vs_ddp")["rows"]
+    fsdp, ddp = written(results, "fsdp_vs_ddp")["rows"]
     assert (fsdp["mode"], ddp["mode"]) == ("fsdp", "ddp")
     assert fsdp["loss"] == pytest.approx(ddp["loss"], rel=1e-4)  # same weights, data, AC and arithmetic
 
@@ -380,10 +400,9 @@ def test_ddp_does_not_broadcast_its_buffers_every_forward():
     assert [name for name, _ in model.named_buffers()] and not model.will_sync_module_buffers()
 
 
-def test_fsdp_vs_ddp_worker_leaves_no_loader_worker_running(tmp_path):
-    """A loader worker ignores SIGTERM and notices only within 5 s that its rank is gone: left running, it holds the
-    output pipes that the launcher (runs.run) reads to their end, delaying each run by as much. Here the ranks write
-    to a file, so torchrun returns as they exit, and whatever they left is still there to find."""
+def loader_workers_run(tmp_path: Path) -> tuple[subprocess.CompletedProcess, str, list[str]]:
+    """test_fsdp_vs_ddp_worker_leaves_no_loader_worker_running's run: (the run, its log, the command lines of the
+    processes it left running)."""
     from runs import torchrun
 
     marker = f"FSDP_VS_DDP_TEST={tmp_path}".encode()  # in the environment of every process of this run
@@ -392,7 +411,6 @@ def test_fsdp_vs_ddp_worker_leaves_no_loader_worker_running(tmp_path):
                                "configs/debug.toml", "--steps", "2", "--warmup", "1", "--", *SMALL,
                                "--data.num_workers", "2"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                               timeout=120, env={**os.environ, "FSDP_VS_DDP_TEST": str(tmp_path)})
-    assert proc.returncode == 0, (tmp_path / "log").read_text()[-3000:]
     left = []
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
@@ -400,6 +418,15 @@ def test_fsdp_vs_ddp_worker_leaves_no_loader_worker_running(tmp_path):
                 left.append((environ.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
         except OSError:  # ended meanwhile, or another user's
             pass
+    return proc, (tmp_path / "log").read_text(), left
+
+
+def test_fsdp_vs_ddp_worker_leaves_no_loader_worker_running(script_run):
+    """A loader worker ignores SIGTERM and notices only within 5 s that its rank is gone: left running, it holds the
+    output pipes that the launcher (runs.run) reads to their end, delaying each run by as much. Here the ranks write
+    to a file, so torchrun returns as they exit, and whatever they left is still there to find."""
+    proc, log, left = script_run.result()
+    assert proc.returncode == 0, log[-3000:]
     assert left == []
 
 
@@ -443,14 +470,21 @@ def test_fsdp_vs_ddp_counts_a_worker_that_failed_after_reporting_as_failed(monke
                    "error": "RuntimeError: [rank1] hung up while shutting down"}
 
 
-def test_checkpoint_io_loads_from_disk_and_records_a_failed_run(tmp_path):
-    """Saves at step 3 and the last, 5; the resume to step 6 saves nothing, though the interval divides 6. With
-    checksums, the resume checks them first (timed); without, it has none to check."""
+def checkpoint_io_runs(tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """test_checkpoint_io_loads_from_disk_and_records_a_failed_run's runs: (their folder, with and without
+    checksums, with a bad flag)."""
     args = ["--config", "configs/debug.toml", "--modes", "none", "--steps", "5", "--interval", "3", "--dir",
             str(tmp_path / "ckpt"), "--", *SMALL]
     (tmp_path / "ckpt").mkdir()
-    proc = run_script("checkpoint_io.py", *args[:-len(SMALL) - 1], "--checksums", "on", "off", "--", *SMALL,
-                      results_dir=tmp_path / "ok")
+    return (tmp_path, run_script("checkpoint_io.py", *args[:-len(SMALL) - 1], "--checksums", "on", "off", "--", *SMALL,
+                                 results_dir=tmp_path / "ok"),
+            run_script("checkpoint_io.py", *args, "--train.micro_batch_size", "0", results_dir=tmp_path / "bad"))
+
+
+def test_checkpoint_io_loads_from_disk_and_records_a_failed_run(script_run):
+    """Saves at step 3 and the last, 5; the resume to step 6 saves nothing, though the interval divides 6. With
+    checksums, the resume checks them first (timed); without, it has none to check."""
+    tmp_path, proc, failed = script_run.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     summed, unsummed = written(tmp_path / "ok", "checkpoint_io_debug")["rows"]
     for row in (summed, unsummed):
@@ -458,8 +492,7 @@ def test_checkpoint_io_loads_from_disk_and_records_a_failed_run(tmp_path):
     assert summed["checksums"] and summed["check_s"] >= 0 and not unsummed["checksums"] and "check_s" not in unsummed
     assert unsummed["label"] == "none, 4 threads, no checksums"
     assert "checkpoint step 6" not in proc.stderr and "step 6/6" in proc.stderr  # the resumed run's log's end
-    proc = run_script("checkpoint_io.py", *args, "--train.micro_batch_size", "0", results_dir=tmp_path / "bad")
-    assert proc.returncode == 1
+    assert failed.returncode == 1
     (row,) = written(tmp_path / "bad", "checkpoint_io_debug")["rows"]
     assert row["error"] == "error: train.micro_batch_size=0: must be at least 1" and "saves" not in row
 
@@ -537,14 +570,19 @@ def test_collectives_reads_the_doctors_last_line_and_records_every_failure():
     assert failed["busbw_gbps"] == 300.0 and failed["error"] == "RuntimeError: NCCL error: remote process exited"
 
 
-def test_collectives_fails_when_the_doctors_checks_fail(tmp_path):
+def collectives_run(tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """test_collectives_fails_when_the_doctors_checks_fail's run: (its results folder, the run)."""
+    return tmp_path, subprocess.run([sys.executable, "benchmarks/collectives.py", "--nproc", "2"], cwd=ROOT, text=True,
+                                    capture_output=True, timeout=120,
+                                    env={**os.environ, "BENCH_RESULTS_DIR": str(tmp_path), FAULT_VAR: "wrong:rank=1"})
+
+
+def test_collectives_fails_when_the_doctors_checks_fail(script_run):
     """The doctor on two gloo ranks, rank 1 contributing wrong data: its row holds the checks that failed as the
     error. (On CPU the bare NCCL loop cannot run at all: its row fails too.)"""
-    proc = subprocess.run([sys.executable, "benchmarks/collectives.py", "--nproc", "2"], cwd=ROOT, text=True,
-                          capture_output=True, timeout=120,
-                          env={**os.environ, "BENCH_RESULTS_DIR": str(tmp_path), FAULT_VAR: "wrong:rank=1"})
+    results, proc = script_run.result()
     assert proc.returncode == 1, proc.stderr[-3000:]
-    doctor = written(tmp_path, "collectives")["rows"][0]
+    doctor = written(results, "collectives")["rows"][0]
     assert doctor["source"] == "doctor" and not doctor["ok"]
     assert doctor["error"] == f"failed checks: {', '.join(doctor['failed_checks'])}" and doctor["failed_checks"]
 
@@ -657,13 +695,19 @@ def test_gpu_check_scales_weakly_up_to_the_gpus_it_was_given(ngpu, counts, tmp_p
     assert f" --gpus {counts} --steps" in scaling
 
 
-def test_gpu_check_s_own_files_start_with_what_the_json_files_record(tmp_path):
+def own_files_run(tmp_path: Path) -> Path:
+    """test_gpu_check_s_own_files_start_with_what_the_json_files_record's run: its results folder."""
+    gpu_check(tmp_path, "1", "profile", results_dir=tmp_path / "results")
+    return tmp_path / "results"
+
+
+def test_gpu_check_s_own_files_start_with_what_the_json_files_record(script_run):
     """The header of profile_llama3_8b.log: the commit, torch and CUDA, and the environment gpu_check.sh exports
     in the command. (The stand-in python3 trains nothing, so the profile part itself fails.)"""
     from results import git_revision
 
-    gpu_check(tmp_path, "1", "profile", results_dir=tmp_path / "results")
-    (log,) = (tmp_path / "results").glob("*x1/profile_llama3_8b.log")
+    results = script_run.result()
+    (log,) = results.glob("*x1/profile_llama3_8b.log")
     header = log.read_text().splitlines()[0]
     assert header.startswith("# ") and f"torch {torch.__version__}, CUDA {torch.version.cuda}" in header
     assert f"commit {git_revision()}: " in header
@@ -673,10 +717,8 @@ def test_gpu_check_s_own_files_start_with_what_the_json_files_record(tmp_path):
     assert command[-5:] == ["PROFILE_RUNS=no_compile:op compile:op", "bash", "benchmarks/gpu_check.sh", "1", "profile"]
 
 
-def test_gpu_check_s_profile_log_holds_this_run_only_and_why_it_failed(tmp_path):
-    """Run twice, each time out of memory: the log starts with the second run's header (it was appended to), holds no
-    kernels of a trace an earlier run left in the run's folder, and says why the run failed (grep kept only the
-    profile's lines)."""
+def profile_runs(tmp_path: Path) -> Path:
+    """test_gpu_check_s_profile_log_holds_this_run_only_and_why_it_failed's runs: their results folder."""
     import shutil
 
     runs = f"no_compile:test{os.getpid()}"
@@ -691,18 +733,55 @@ def test_gpu_check_s_profile_log_holds_this_run_only_and_why_it_failed(tmp_path)
             assert proc.returncode == 1
     finally:
         shutil.rmtree(stale.parents[1], ignore_errors=True)
-    (log,) = (tmp_path / "results").glob("*x1/profile_llama3_8b_*.log")
+    return tmp_path / "results"
+
+
+def test_gpu_check_s_profile_log_holds_this_run_only_and_why_it_failed(script_run):
+    """Run twice, each time out of memory: the log starts with the second run's header (it was appended to), holds no
+    kernels of a trace an earlier run left in the run's folder, and says why the run failed (grep kept only the
+    profile's lines)."""
+    (log,) = script_run.result().glob("*x1/profile_llama3_8b_*.log")
     text = log.read_text()
     assert [line for line in text.splitlines() if line.startswith("# ")] == [text.splitlines()[0]]
     assert "nvjet_stale" not in text and "CUDA out of memory" in text
 
 
-def test_gpu_check_s_clocks_log_says_why_a_run_failed(tmp_path):
+def clocks_run(tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """test_gpu_check_s_clocks_log_says_why_a_run_failed's run: (its results folder, the run)."""
     try:
         proc, _ = gpu_check(tmp_path, "1", "clocks", results_dir=tmp_path / "results")
     finally:
         for ac in ("none", "op", "full"):  # the part's samples of nvidia-smi, here its stand-in's
             Path(f"/tmp/clocks_{ac}.csv").unlink(missing_ok=True)
+    return tmp_path / "results", proc
+
+
+def test_gpu_check_s_clocks_log_says_why_a_run_failed(script_run):
+    results, proc = script_run.result()
     assert proc.returncode == 1
-    (log,) = (tmp_path / "results").glob("*x1/clocks_llama3_8b.txt")
+    (log,) = results.glob("*x1/clocks_llama3_8b.txt")
     assert log.read_text().count("CUDA out of memory") == 3  # no, per-op and full AC
+
+
+@pytest.fixture(scope="module")
+def script_runs(request, tmp_path_factory):
+    """The runs of the scripts this module's tests launch, two at a time, longest first: most of a run is one
+    process importing torch or training on one core, while the other core would stay idle. Keyed by test name."""
+    runs = {node_name(test): partial(run, tmp_path_factory.mktemp(test.__name__[:30]))  # named as pytest would
+            for test, run in [(test_checkpoint_io_loads_from_disk_and_records_a_failed_run, checkpoint_io_runs),
+                              (test_scaling_runs_one_and_two_ranks_with_the_smallest_as_baseline, scaling_run),
+                              (test_fsdp_and_ddp_train_alike_on_two_cpu_ranks, fsdp_and_ddp_run),
+                              (test_gpu_check_s_profile_log_holds_this_run_only_and_why_it_failed, profile_runs),
+                              (test_collectives_fails_when_the_doctors_checks_fail, collectives_run),
+                              (test_fsdp_vs_ddp_worker_leaves_no_loader_worker_running, loader_workers_run),
+                              (test_gpu_check_s_own_files_start_with_what_the_json_files_record, own_files_run),
+                              (test_gpu_check_s_clocks_log_says_why_a_run_failed, clocks_run)]}
+    for case, (flags, _) in BAD_FLAGS.items():
+        runs[node_name(test_error_line_reads_tyros_message_about_a_bad_flag, case)] = partial(bad_flag_run, flags)
+    return side_by_side(request, runs, at_once=2)
+
+
+@pytest.fixture
+def script_run(script_runs, request):
+    """This test's run, which script_runs made: .result() is what its function returned, or raises what it raised."""
+    return script_runs[request.node.name]

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from fsdp_trainer import doctor
 from fsdp_trainer.doctor import FAULT_VAR, DoctorArgs, bus_factor, parse_sizes
 
-from helpers import TORCHRUN, checkout_env
+from helpers import TORCHRUN, checkout_env, node_name, side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv_ring"]
@@ -177,19 +178,24 @@ def test_failed_run_exits_without_waiting_on_the_group_teardown():
     assert proc.returncode == 1 and "== result: FAIL ==" in proc.stdout, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("flags,fault,error", [
-    (["--iters", "0"], "", "--iters 0: the bandwidth table needs at least one timed run per size"),
-    (["--deadline-s", "0"], "", "--deadline-s 0: must be above 0"),
-    (["--nproc", "-1"], "", "--nproc -1: must be 0"),
-    (["--sizes", "abc"], "", "--sizes abc: abc is not a size of 1 byte or more; expected sizes of 1 byte or more: "
-                             "a range (1K..1G), a top (64M"),
-    (["--sizes", "-4K"], "", "--sizes -4K: -4K is not a size of 1 byte or more; expected"),
-    (["--sizes", "2K..1K"], "", "--sizes 2K..1K: the range runs backwards; expected"),
-    ([], "hang:rank=one", f"{FAULT_VAR}=hang:rank=one: expected hang, wrong, raise, stall, stall_between, drop, "
-                          "drop_remote or wedge, then :rank=N"),
-])
-def test_nonsensical_arguments_are_refused_like_argparse_before_anything_runs(flags, fault, error):
-    proc, _ = run_doctor(*flags, fault=fault)
+# The refused arguments' cases: the flags, the fault variable, and the error they get.
+REFUSED = {
+    "iters": (["--iters", "0"], "", "--iters 0: the bandwidth table needs at least one timed run per size"),
+    "deadline": (["--deadline-s", "0"], "", "--deadline-s 0: must be above 0"),
+    "nproc": (["--nproc", "-1"], "", "--nproc -1: must be 0"),
+    "sizes-abc": (["--sizes", "abc"], "", "--sizes abc: abc is not a size of 1 byte or more; expected sizes of 1 byte "
+                                          "or more: a range (1K..1G), a top (64M"),
+    "sizes-negative": (["--sizes", "-4K"], "", "--sizes -4K: -4K is not a size of 1 byte or more; expected"),
+    "sizes-backwards": (["--sizes", "2K..1K"], "", "--sizes 2K..1K: the range runs backwards; expected"),
+    "fault": ([], "hang:rank=one", f"{FAULT_VAR}=hang:rank=one: expected hang, wrong, raise, stall, stall_between, "
+                                   "drop, drop_remote or wedge, then :rank=N"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_nonsensical_arguments_are_refused_like_argparse_before_anything_runs(doctor_run, case):
+    proc, _ = doctor_run.result()
+    error = REFUSED[case][2]
     assert proc.returncode == 2 and "== checks" not in proc.stdout and "TIMEOUT" not in proc.stdout
     assert f"python -m fsdp_trainer.doctor: error: {error}" in proc.stderr, proc.stderr
 
@@ -204,8 +210,8 @@ def test_every_variable_the_trainer_sets_is_explained(tmp_path, monkeypatch):
     assert new and new <= doctor.KNOWN_VARIABLES.keys(), new - doctor.KNOWN_VARIABLES.keys()
 
 
-def test_single_process():
-    proc, _ = run_doctor()
+def test_single_process(doctor_run):
+    proc, _ = doctor_run.result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for section in ("== environment ==", "== checks", "== bandwidth", "== result: PASS =="):
         assert section in proc.stdout
@@ -213,8 +219,8 @@ def test_single_process():
 
 
 @pytest.mark.slow
-def test_two_ranks_healthy_text_report():
-    proc, _ = run_doctor("--sizes", "1M", nproc=2)
+def test_two_ranks_healthy_text_report(doctor_run):
+    proc, _ = doctor_run.result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 rank(s) on 1 host(s)" in proc.stdout
     for name in CHECKS:
@@ -240,10 +246,10 @@ def test_a_slow_topology_query_leaves_the_other_ranks_time(tmp_path):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_rank_wedged_in_its_own_gpu_queries_is_named(rank):
+def test_a_rank_wedged_in_its_own_gpu_queries_is_named(doctor_run, rank):
     """Stuck before any collective (a CUDA query or nvidia-smi in a wedged driver): named as such, not as a
     transport that hangs."""
-    _, check = timed_out_check(f"wedge:rank={rank}", nproc=2)
+    _, check = doctor_run.result()
     assert check["name"] == "environment" and check["ranks"] == [rank], check
     assert f"rank(s) {rank} are stuck gathering their facts" in check["error"]
 
@@ -265,8 +271,8 @@ def test_a_rank_that_never_joins_is_reported_by_rank_0_even_if_rank_0_started_la
 
 
 @pytest.mark.slow
-def test_four_ranks_healthy_json():
-    proc, _ = run_doctor("--json", "--sizes", "1M", "--iters", "5", nproc=4)
+def test_four_ranks_healthy_json(doctor_run):
+    proc, _ = doctor_run.result()
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)  # stdout holds the JSON object only; the text report went to stderr
     assert report["ok"] and "== checks" in proc.stderr
@@ -282,8 +288,8 @@ def test_four_ranks_healthy_json():
 
 
 @pytest.mark.slow
-def test_wrong_value_names_the_rank_and_the_operation():
-    proc, _ = run_doctor("--json", "--sizes", "1M", nproc=2, fault="wrong:rank=1")
+def test_wrong_value_names_the_rank_and_the_operation(doctor_run):
+    proc, _ = doctor_run.result()
     assert proc.returncode != 0
     checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
     assert not checks["all_reduce"]["ok"] and not checks["reduce_scatter"]["ok"]
@@ -296,8 +302,8 @@ def test_wrong_value_names_the_rank_and_the_operation():
 
 
 @pytest.mark.slow
-def test_hang_is_reported_within_the_deadline():
-    proc, failed = timed_out_check("hang:rank=1", nproc=2)
+def test_hang_is_reported_within_the_deadline(doctor_run):
+    proc, failed = doctor_run.result()
     assert failed["name"] == "all_reduce" and failed["timed_out"] and failed["ranks"] == [1]
     assert "all_reduce       TIMEOUT" in proc.stderr
     assert "rank 1" in failed["error"] and "never arrived" in failed["error"]
@@ -317,8 +323,8 @@ def test_try_fixes_finds_the_setting_that_passes(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_rank_that_raised_is_the_suspect_not_the_ranks_left_waiting():
-    proc, failed = timed_out_check("raise:rank=1", nproc=2)
+def test_rank_that_raised_is_the_suspect_not_the_ranks_left_waiting(doctor_run):
+    proc, failed = doctor_run.result()
     assert failed["name"] == "all_reduce" and failed["timed_out"]
     assert failed["suspects"] == [1] and failed["ranks"] == [1]
     assert "rank 1" in failed["error"] and "failed: RuntimeError: injected fault" in failed["error"]
@@ -330,12 +336,12 @@ def test_rank_that_raised_is_the_suspect_not_the_ranks_left_waiting():
 @pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("stall", ["stall", "stall_between"])
-def test_a_rank_stuck_before_the_collective_is_named_not_the_transport(stall, rank):
+def test_a_rank_stuck_before_the_collective_is_named_not_the_transport(doctor_run, stall, rank):
     """Arrived at its first check, then stuck in its own work before the collective (as on a GPU that wedged
     mid-run): named as the suspect the other rank waits for inside the collective, even when it is rank 0. The same
     where it stalls between two sizes: the other rank then waits inside the second size's collective, while the
     stalled rank entered only the first."""
-    proc, failed = timed_out_check(f"{stall}:rank={rank}", nproc=2)
+    proc, failed = doctor_run.result()
     assert failed["name"] == "all_reduce" and failed["suspects"] == [rank] and failed["ranks"] == [rank], failed
     assert f"rank(s) {rank} arrived but never entered the collective" in failed["error"]
     assert f"rank(s) {1 - rank} are waiting inside it for rank(s) {rank}" in failed["error"]
@@ -344,9 +350,13 @@ def test_a_rank_stuck_before_the_collective_is_named_not_the_transport(stall, ra
     assert any("py-spy dump" in hint for hint in hints) and not any("SOCKET_IFNAME" in hint for hint in hints)
 
 
+# The dead link cases: the ranks, the rank whose sends are dropped, and the links left untried.
+DEAD_LINKS = {"2-ranks-0": (2, 0, "1 -> 0"), "2-ranks-1": (2, 1, ""), "3-ranks-0": (3, 0, "2 -> 0, 1 -> 2")}
+
+
 @pytest.mark.slow
-def test_ring_hang_names_the_link_that_never_delivered():
-    proc, failed = timed_out_check("drop:rank=1", nproc=3)
+def test_ring_hang_names_the_link_that_never_delivered(doctor_run):
+    proc, failed = doctor_run.result()
     assert failed["name"] == "send_recv_ring" and failed["timed_out"]
     # Rank 1's sends never leave: rank 2 waits on it, and rank 0, a size further on, waits on rank 2.
     assert failed["links"] == [[1, 2]], failed["error"]
@@ -355,12 +365,12 @@ def test_ring_hang_names_the_link_that_never_delivered():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,rank,untried", [(2, 0, "1 -> 0"), (2, 1, ""), (3, 0, "2 -> 0, 1 -> 2")])
-def test_a_dead_link_is_named_alone_not_with_the_links_that_wait_on_it(nproc, rank, untried):
+@pytest.mark.parametrize("nproc,rank,untried", DEAD_LINKS.values(), ids=DEAD_LINKS)
+def test_a_dead_link_is_named_alone_not_with_the_links_that_wait_on_it(doctor_run, nproc, rank, untried):
     """Each rank takes its second link of the ring only once its first is through, as under NCCL. A dead 0 -> 1 leaves
     rank 1 without its receive, so it never sends, and rank 0 without its send, so it never receives: 0 -> 1 is named,
     and the links left untried (between two ranks, 1 -> 0) are not. A dead 1 -> 0 leaves rank 0 alone waiting."""
-    _, failed = timed_out_check(f"drop:rank={rank}", nproc=nproc)
+    _, failed = doctor_run.result()
     after = (rank + 1) % nproc
     assert failed["name"] == "send_recv_ring" and failed["links"] == [[rank, after]], failed["error"]
     assert f"no data arrived over {rank} -> {after} (within " in failed["error"]
@@ -388,26 +398,71 @@ def two_node_doctor(fault: str = "", per_node: int = 2) -> dict:
 
 
 @pytest.mark.slow
-def test_one_rank_per_node_needs_no_second_ring_and_names_the_dead_link():
+def test_one_rank_per_node_needs_no_second_ring_and_names_the_dead_link(doctor_run):
     """With one rank a node, the ring crosses between nodes on every link: no second ring to run (it would share the
     first one's store keys and run the same links again)."""
-    healthy = two_node_doctor(per_node=1)
+    healthy, failed = doctor_run.result()
     assert healthy["ok"] and [c["name"] for c in healthy["checks"]] == CHECKS
-    check = two_node_doctor("drop:rank=1", per_node=1)["checks"][-1]
+    check = failed["checks"][-1]
     assert check["name"] == "send_recv_ring" and check["timed_out"] and check["links"] == [[1, 0]], check
 
 
 @pytest.mark.slow
-def test_a_dead_network_link_of_any_gpu_is_named_on_several_nodes():
+def test_a_dead_network_link_of_any_gpu_is_named_on_several_nodes(doctor_run):
     """The ring leaves a node from one GPU only; the second ring, rank -> same local rank of the next node, uses
     every GPU's link between nodes: rank 0's (which the first ring never sends over) is named when it is dead."""
-    healthy = two_node_doctor()
+    healthy, failed = doctor_run.result()
     assert healthy["ok"] and [c["name"] for c in healthy["checks"]] == [*CHECKS, "send_recv_nodes"]
-    failed = two_node_doctor("drop_remote:rank=0")
     assert not failed["ok"] and all(c["ok"] for c in failed["checks"][:-1]), failed["checks"]
     check = failed["checks"][-1]
     assert check["name"] == "send_recv_nodes" and check["timed_out"] and check["links"] == [[0, 2]], check
     assert "no data arrived over 0 -> 2" in check["error"]
+
+
+def two_node_doctors(fault: str, per_node: int = 2) -> tuple[dict, dict]:
+    """(two_node_doctor healthy, two_node_doctor with `fault`)."""
+    return two_node_doctor(per_node=per_node), two_node_doctor(fault, per_node)
+
+
+@pytest.fixture(scope="module")
+def doctor_runs(request):
+    """The doctor runs of this module's tests, three at a time, longest first: each spends seconds importing torch on
+    every rank, and those with a fault then wait out their deadline. Three keep both cores busy without slowing any
+    rank's start so much that its group's set-up comes near a deadline. Keyed by test name."""
+    def timed_out(fault: str, nproc: int = 2):
+        return partial(timed_out_check, fault, nproc)
+
+    runs = {node_name(test_a_dead_network_link_of_any_gpu_is_named_on_several_nodes):
+                partial(two_node_doctors, "drop_remote:rank=0"),
+            node_name(test_one_rank_per_node_needs_no_second_ring_and_names_the_dead_link):
+                partial(two_node_doctors, "drop:rank=1", per_node=1),
+            node_name(test_ring_hang_names_the_link_that_never_delivered): timed_out("drop:rank=1", 3),
+            node_name(test_hang_is_reported_within_the_deadline): timed_out("hang:rank=1"),
+            node_name(test_rank_that_raised_is_the_suspect_not_the_ranks_left_waiting): timed_out("raise:rank=1")}
+    for case, (nproc, rank, _) in DEAD_LINKS.items():
+        runs[node_name(test_a_dead_link_is_named_alone_not_with_the_links_that_wait_on_it, case)] = timed_out(
+            f"drop:rank={rank}", nproc)
+    for rank in (0, 1):
+        runs[node_name(test_a_rank_wedged_in_its_own_gpu_queries_is_named, rank)] = timed_out(f"wedge:rank={rank}")
+        for stall in ("stall", "stall_between"):
+            runs[node_name(test_a_rank_stuck_before_the_collective_is_named_not_the_transport, f"{stall}-{rank}")] = \
+                timed_out(f"{stall}:rank={rank}")
+    runs[node_name(test_four_ranks_healthy_json)] = partial(run_doctor, "--json", "--sizes", "1M", "--iters", "5",
+                                                            nproc=4)
+    runs[node_name(test_two_ranks_healthy_text_report)] = partial(run_doctor, "--sizes", "1M", nproc=2)
+    runs[node_name(test_wrong_value_names_the_rank_and_the_operation)] = partial(
+        run_doctor, "--json", "--sizes", "1M", nproc=2, fault="wrong:rank=1")
+    runs[node_name(test_single_process)] = run_doctor
+    for case, (flags, fault, _) in REFUSED.items():
+        runs[node_name(test_nonsensical_arguments_are_refused_like_argparse_before_anything_runs, case)] = partial(
+            run_doctor, *flags, fault=fault)
+    return side_by_side(request, runs, at_once=3)
+
+
+@pytest.fixture
+def doctor_run(doctor_runs, request):
+    """This test's run, which doctor_runs made: .result() is what its function returned, or raises what it raised."""
+    return doctor_runs[request.node.name]
 
 
 def test_environment_warnings_name_the_host_or_ranks_and_what_to_do():

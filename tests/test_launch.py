@@ -17,11 +17,15 @@ import stat
 import subprocess
 import sys
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
-from helpers import TINY_FLAGS, free_port
+from helpers import TINY_FLAGS, free_port, node_name, side_by_side
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch"
@@ -30,6 +34,7 @@ TINY = [*TINY_FLAGS, "--optim.warmup_steps", "2"]
 STEPS = 20            # long enough to kill a rank in the middle, short enough for two slow cores
 INTERVAL = 2          # checkpoint every 2 steps: the elastic restart loses at most 2
 RUN_TIMEOUT = 150     # seconds for one launch of a tiny job, start-up and restarts included
+JOB_TIMEOUT = 120     # seconds a Slurm stop test's job may wait for each thing, started beside the others
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux /proc")
 
@@ -557,18 +562,23 @@ def test_slurm_preemption_chain(tmp_path):
     assert not counter.exists()  # the next stop without a newer checkpoint is the first in a row again
 
 
-@needs_proc
-@pytest.mark.parametrize("count,requeued,refused", [("76 3", True, False), ("77 3", False, False), ("77 1", True, True)],
-                         ids=["another-job", "limit", "refused"])
-def test_slurm_stop_during_start_up_is_requeued_3_times_in_a_row_at_most(tmp_path, count, requeued, refused):
-    """A requeued job, resuming from step 100000000, gets SIGUSR1 during the batch script's set-up, before srun
-    exists (while scontrol expands the node list). The signal must reach the stand-in rank once it handles it; that
-    rank exits 0 with nothing new saved, as the trainer does when stopped during its start-up. A preemption may come
-    at any time, so the job is requeued, but only 3 times in a row without a newer checkpoint: a start-up longer than
-    --time minus the warning would be stopped each time, for ever. The count is this job's: one a job 76 left (a
-    resubmission, say) starts it afresh; a requeue Slurm refuses does not count. The checkpoint the job started from is the trainer's newest, not a
-    step_latest link, a folder set aside as step_N.unusable, or step 99999999 (which sorts after 100000000 as text).
-    """
+@dataclass
+class EndedJob:
+    """What a job of the Slurm stop tests left: its folder (tmp_path), exit status, log, the record of the signals
+    its relay (or stand-in rank) got, and the Slurm calls it made."""
+    folder: Path
+    code: int
+    log: str
+    record: str
+    calls: str
+
+
+# The start-up tests' cases: the count of requeues the job finds, whether it requeues, and whether Slurm refuses.
+START_UP = {"another-job": ("76 3", True, False), "limit": ("77 3", False, False), "refused": ("77 1", True, True)}
+
+
+def start_up_job(tmp_path: Path, count: str, refused: bool) -> EndedJob:
+    """test_slurm_stop_during_start_up_is_requeued_3_times_in_a_row_at_most's job."""
     record, rank = tmp_path / "signals", tmp_path / "rank.py"
     record.write_text("")
     rank.write_text(FAKE_RANK)
@@ -578,30 +588,47 @@ def test_slurm_stop_during_start_up_is_requeued_3_times_in_a_row_at_most(tmp_pat
         (root / name).mkdir(parents=True)
         (root / name / "trainer_state.json").write_text("{}")
     (root / "step_latest").symlink_to("step_99999999")
-    counter = root / ".requeues_without_progress"
-    counter.write_text(count + "\n")
+    (root / ".requeues_without_progress").write_text(count + "\n")
     setting_up = tmp_path / "setting-up"
     calls = fake_slurm(tmp_path, hostnames=f'touch "{setting_up}"; sleep 1; echo localhost', refuse_requeue=refused)
+    log = tmp_path / "job.log"
     proc = start(["bash", str(LAUNCH / "slurm.sbatch"), "--train.output_dir", str(tmp_path / "out"),
-                  "--train.steps", "1000000000"], slurm_job_env(tmp_path, SLURM_RESTART_COUNT="1"), tmp_path / "job.log")
+                  "--train.steps", "1000000000"], slurm_job_env(tmp_path, SLURM_RESTART_COUNT="1"), log)
     try:
         wait_for(setting_up.exists, "request for the node list")
         proc.send_signal(signal.SIGUSR1)
-        code = proc.wait(timeout=60)
+        code = proc.wait(timeout=JOB_TIMEOUT)
     finally:
         stop_tree(proc)
-    log = (tmp_path / "job.log").read_text()
-    assert code == 0 and record.read_text() == "USR1\n", log
+    return EndedJob(tmp_path, code, log.read_text(), record.read_text(), calls.read_text())
+
+
+@needs_proc
+@pytest.mark.parametrize("case", START_UP)
+def test_slurm_stop_during_start_up_is_requeued_3_times_in_a_row_at_most(slurm_job, case):
+    """A requeued job, resuming from step 100000000, gets SIGUSR1 during the batch script's set-up, before srun
+    exists (while scontrol expands the node list). The signal must reach the stand-in rank once it handles it; that
+    rank exits 0 with nothing new saved, as the trainer does when stopped during its start-up. A preemption may come
+    at any time, so the job is requeued, but only 3 times in a row without a newer checkpoint: a start-up longer than
+    --time minus the warning would be stopped each time, for ever. The count is this job's: one a job 76 left (a
+    resubmission, say) starts it afresh; a requeue Slurm refuses does not count. The checkpoint the job started from is the trainer's newest, not a
+    step_latest link, a folder set aside as step_N.unusable, or step 99999999 (which sorts after 100000000 as text).
+    """
+    job = slurm_job.result()
+    _, requeued, refused = START_UP[case]
+    log, root = job.log, job.folder / "out" / "checkpoints"
+    counter = root / ".requeues_without_progress"
+    assert job.code == 0 and job.record == "USR1\n", log
     assert f"before saving a checkpoint newer than {root / 'step_100000000'}" in log, log
     if refused:
         assert "requeue 2 of at most 3 in a row without one; requeueing job 77" in log, log
         assert "requeue refused" in log and counter.read_text() == "77 1\n", log
     elif requeued:
         assert "(during start-up?): requeue 1 of at most 3 in a row without one; requeueing job 77" in log, log
-        assert "scontrol requeue 77" in calls.read_text() and counter.read_text() == "77 1\n"
+        assert "scontrol requeue 77" in job.calls and counter.read_text() == "77 1\n"
     else:
         assert "after 3 requeues in a row that saved none: not requeued any more" in log, log
-        assert "requeue" not in calls.read_text() and counter.read_text() == "77 3\n"
+        assert "requeue" not in job.calls and counter.read_text() == "77 3\n"
 
 
 # A stand-in for relay_signals.sh: says where it is, as the real one does (or as `announce` says), records each
@@ -634,106 +661,126 @@ def relay_job(tmp_path: Path, announce: str = ANNOUNCE, step_seconds: float = 1,
     return proc, log, record, done, calls
 
 
-def end_relay_job(proc: subprocess.Popen, record: Path, done: Path, signal_again: bool = False,
-                  timeout: float = 30) -> int:
+def end_relay_job(proc: subprocess.Popen, record: Path, done: Path, signal_again: bool = False) -> int:
     """Once relay_job's relay has its SIGUSR1 (and, with `signal_again`, the job another a second later), end the
     relay; the job's exit status."""
     try:
-        wait_for(record.exists, "SIGUSR1 at the relay", timeout)
+        wait_for(record.exists, "SIGUSR1 at the relay", JOB_TIMEOUT)
         if signal_again:
             proc.send_signal(signal.SIGUSR1)
             time.sleep(1)
         done.touch()
-        return proc.wait(timeout=30)
+        return proc.wait(timeout=JOB_TIMEOUT)
     finally:
         stop_tree(proc)
 
 
-def test_slurm_passes_one_sigusr1_to_the_relay_of_its_node(tmp_path):
+def ended_relay_job(tmp_path: Path, *, signal_again: bool = False, **job) -> EndedJob:
+    """relay_job(tmp_path, **job) through end_relay_job."""
+    proc, log, record, done, calls = relay_job(tmp_path, **job)
+    code = end_relay_job(proc, record, done, signal_again)
+    return EndedJob(tmp_path, code, log.read_text(), record.read_text(), calls.read_text())
+
+
+def test_slurm_passes_one_sigusr1_to_the_relay_of_its_node(slurm_job):
     """SIGUSR1 before this node's relay is up waits for it (srun, still creating its step, would die of it), and a
     second one (the time limit's warning after a preemption's, say) is not passed on: the ranks would take it as
     "exit now", without the checkpoint."""
-    proc, log, record, done, calls = relay_job(tmp_path)
-    code = end_relay_job(proc, record, done, signal_again=True)
-    assert code == 0 and record.read_text() == "USR1\n", log.read_text()
-    assert "SIGUSR1 again" in log.read_text() and "scancel" not in calls.read_text()
+    job = slurm_job.result()
+    assert job.code == 0 and job.record == "USR1\n", job.log
+    assert "SIGUSR1 again" in job.log and "scancel" not in job.calls
 
 
-@pytest.mark.parametrize("announce,mktemp_fails,tmpdir,through_scancel", [
-    ("true", False, None, True),
-    ('echo 999999999 > "$RELAY_PID_DIR/$(uname -n)"', False, None, True),
-    (ANNOUNCE, True, None, True),
-    (ANNOUNCE, False, "missing", False),
-], ids=["no-pid-file", "pid-it-cannot-signal", "no-temporary-folder", "TMPDIR-missing"])
-def test_slurm_stop_goes_through_scancel_when_this_nodes_relay_cannot_be_signalled(tmp_path, announce, mktemp_fails,
-                                                                                   tmpdir, through_scancel):
+# The cases of the relay that cannot be signalled: what it writes to say where it is, whether mktemp fails, the
+# TMPDIR (under tmp_path) if any, and whether the stop then goes through scancel.
+UNSIGNALLED = {"no-pid-file": ("true", False, None, True),
+               "pid-it-cannot-signal": ('echo 999999999 > "$RELAY_PID_DIR/$(uname -n)"', False, None, True),
+               "no-temporary-folder": (ANNOUNCE, True, None, True),
+               "TMPDIR-missing": (ANNOUNCE, False, "missing", False)}
+
+
+def unsignalled_relay_job(tmp_path: Path, announce: str, mktemp_fails: bool, tmpdir: Optional[str]) -> EndedJob:
+    """test_slurm_stop_goes_through_scancel_when_this_nodes_relay_cannot_be_signalled's job."""
+    if mktemp_fails:
+        stand_in(tmp_path, "mktemp", "exit 1\n")
+    extra = {"TMPDIR": str(tmp_path / tmpdir)} if tmpdir else {}
+    return ended_relay_job(tmp_path, announce=announce, **extra)
+
+
+@pytest.mark.parametrize("case", UNSIGNALLED)
+def test_slurm_stop_goes_through_scancel_when_this_nodes_relay_cannot_be_signalled(slurm_job, case):
     """The relay's pid file may never come (a step with its own /tmp or TMPDIR, sbatch --export=NONE), or name a
     pid that cannot be signalled (a pid namespace): 10 s into srun the stop goes once to every task of the job
     through `scancel --signal=USR1 <job>` instead of being lost. A TMPDIR that does not exist on the node does not
     fail the job: the pid folder goes to /tmp; and where no folder can be made at all, the stop takes scancel."""
-    if mktemp_fails:
-        stand_in(tmp_path, "mktemp", "exit 1\n")
-    extra = {"TMPDIR": str(tmp_path / tmpdir)} if tmpdir else {}
-    proc, log, record, done, calls = relay_job(tmp_path, announce, **extra)
-    code = end_relay_job(proc, record, done)
-    text = log.read_text()
-    assert code == 0 and record.read_text() == "USR1\n", text
-    assert ("scancel --signal=USR1 77" in calls.read_text()) == through_scancel, calls.read_text()
+    job = slurm_job.result()
+    _, mktemp_fails, _, through_scancel = UNSIGNALLED[case]
+    text, calls = job.log, job.calls
+    assert job.code == 0 and job.record == "USR1\n", text
+    assert ("scancel --signal=USR1 77" in calls) == through_scancel, calls
     assert ("no relay of this node to signal after 10 s" in text) == through_scancel, text
     assert ("cannot create a folder" in text) == mktemp_fails, text
 
 
-def test_slurm_sends_the_stop_through_scancel_again_while_srun_creates_its_step(tmp_path):
+def test_slurm_sends_the_stop_through_scancel_again_while_srun_creates_its_step(slurm_job):
     """No relay of this node can be signalled, and srun takes 15 s to create its step: the first scancel, 10 s into
     the stop's wait, finds no task to signal; the second, 10 s later, reaches the relay."""
-    proc, log, record, done, calls = relay_job(tmp_path, "true", step_seconds=15)
-    code = end_relay_job(proc, record, done, timeout=60)
-    assert code == 0 and record.read_text() == "USR1\n", log.read_text()
-    assert calls.read_text().count("scancel --signal=USR1 77") == 2, calls.read_text()
-    assert "again every 10 s until srun ends" in log.read_text(), log.read_text()
+    job = slurm_job.result()
+    assert job.code == 0 and job.record == "USR1\n", job.log
+    assert job.calls.count("scancel --signal=USR1 77") == 2, job.calls
+    assert "again every 10 s until srun ends" in job.log, job.log
+
+
+def finished_job(tmp_path: Path) -> EndedJob:
+    """test_slurm_does_not_requeue_a_run_stopped_with_its_last_checkpoint's job: the checkpoint of the last step
+    appears once the relay has the stop, with a count of requeues without progress beside it."""
+    proc, log, record, done, calls = relay_job(tmp_path, args=("--train.steps", "4"))
+    last = tmp_path / "out" / "checkpoints" / "step_00000004"
+    try:
+        wait_for(record.exists, "SIGUSR1 at the relay", JOB_TIMEOUT)
+        last.mkdir(parents=True)  # what the ranks save as they stop after the last step
+        (last / "trainer_state.json").write_text("{}")
+        (last.parent / ".requeues_without_progress").write_text("77 1\n")
+    finally:
+        code = end_relay_job(proc, record, done)
+    return EndedJob(tmp_path, code, log.read_text(), record.read_text(), calls.read_text())
 
 
 @needs_proc
-def test_slurm_does_not_requeue_a_run_stopped_with_its_last_checkpoint(tmp_path):
+def test_slurm_does_not_requeue_a_run_stopped_with_its_last_checkpoint(slurm_job):
     """A stop that reaches the ranks during the last steps leaves the checkpoint of train.steps: the run is
     finished, and a requeued job would only wait for its nodes to find nothing to train. The count of requeues
     without progress goes too."""
-    proc, log, record, done, calls = relay_job(tmp_path, args=("--train.steps", "4"))
-    last = tmp_path / "out" / "checkpoints" / "step_00000004"
-    counter = last.parent / ".requeues_without_progress"
-    try:
-        wait_for(record.exists, "SIGUSR1 at the relay")
-        last.mkdir(parents=True)  # what the ranks save as they stop after the last step
-        (last / "trainer_state.json").write_text("{}")
-        counter.write_text("77 1\n")
-    finally:
-        code = end_relay_job(proc, record, done)
-    text = log.read_text()
-    assert code == 0, text
-    assert f"stopped cleanly with the checkpoint {last}, the last of train.steps: training is finished" in text, text
-    assert "scontrol requeue" not in calls.read_text() and not counter.exists()
+    job = slurm_job.result()
+    last = job.folder / "out" / "checkpoints" / "step_00000004"
+    assert job.code == 0, job.log
+    assert f"stopped cleanly with the checkpoint {last}, the last of train.steps: training is finished" in \
+        job.log, job.log
+    assert "scontrol requeue" not in job.calls and not (last.parent / ".requeues_without_progress").exists()
 
 
-def test_slurm_without_its_checkpoint_folder_does_not_requeue(tmp_path):
+def unfound_checkpoints_job(tmp_path: Path) -> EndedJob:
+    """test_slurm_without_its_checkpoint_folder_does_not_requeue's job: a PYTHON that cannot import fsdp_trainer."""
+    stand_in(tmp_path, "broken-python", 'echo "a warning" >&2\n'
+             'echo "ModuleNotFoundError: No module named \'fsdp_trainer\'" >&2\necho "╰──╯" >&2\nexit 1\n')
+    return ended_relay_job(tmp_path, PYTHON="broken-python")
+
+
+def test_slurm_without_its_checkpoint_folder_does_not_requeue(slurm_job):
     """PYTHON finds the checkpoint folder; where it cannot (fsdp_trainer missing, say), the job says why, in
     python's last line with words, and a clean stop is not requeued: nothing would tell a start-up stopped for ever
     from progress."""
-    stand_in(tmp_path, "broken-python", 'echo "a warning" >&2\n'
-             'echo "ModuleNotFoundError: No module named \'fsdp_trainer\'" >&2\necho "╰──╯" >&2\nexit 1\n')
-    proc, log, record, done, calls = relay_job(tmp_path, PYTHON="broken-python")
-    code = end_relay_job(proc, record, done)
-    text, why = log.read_text(), "(ModuleNotFoundError: No module named 'fsdp_trainer')"
-    assert code == 0 and f"broken-python could not find the checkpoint folder from these arguments {why}" in text
+    job = slurm_job.result()
+    text, why = job.log, "(ModuleNotFoundError: No module named 'fsdp_trainer')"
+    assert job.code == 0, text
+    assert f"broken-python could not find the checkpoint folder from these arguments {why}" in text, text
     assert f"stopped cleanly, but the checkpoint folder could not be found {why}: not requeued" in text, text
-    assert "requeue" not in calls.read_text()
+    assert "requeue" not in job.calls
 
 
-@needs_proc
-def test_slurm_signals_the_relay_of_its_own_node_when_hostname_is_inherited(tmp_path):
-    """Two "nodes" (the second with a stand-in uname) share one pid folder, as on a shared /tmp, and both have the
-    HOSTNAME of the submitting host (bash keeps an exported one): each real relay_signals.sh writes its pid under
-    its own node's name, and the batch shell signals its own node's relay, not the other's (on a real cluster, a
-    pid of this node that is some other process). The ranks stop together once one got the signal."""
+def two_nodes_job(tmp_path: Path) -> EndedJob:
+    """test_slurm_signals_the_relay_of_its_own_node_when_hostname_is_inherited's job: its record is this node's rank's,
+    record.there the other node's."""
     here, there, rank = tmp_path / "record.here", tmp_path / "record.there", tmp_path / "rank.py"
     here.write_text("")
     there.write_text("")
@@ -747,11 +794,56 @@ def test_slurm_signals_the_relay_of_its_own_node_when_hostname_is_inherited(tmp_
     proc = start(["bash", str(LAUNCH / "slurm.sbatch"), "--train.output_dir", str(tmp_path / "out")],
                  slurm_job_env(tmp_path, HOSTNAME="login01"), log)
     try:
-        wait_for(lambda: tasks.exists() and len(tasks.read_text().split()) == 2, "both relays")
-        time.sleep(0.5)  # for the second relay to write its pid
+        wait_for(lambda: tasks.exists() and len(tasks.read_text().split()) == 2, "both relays", JOB_TIMEOUT)
+        # A relay writes its pid before it starts torchrun: once the second has a child, both pids are written.
+        second = int(tasks.read_text().split()[1])
+        wait_for(lambda: children(second), "the second relay's torchrun", JOB_TIMEOUT)
         proc.send_signal(signal.SIGUSR1)
-        code = proc.wait(timeout=60)
+        code = proc.wait(timeout=JOB_TIMEOUT)
     finally:
         stop_tree(proc)
-    assert code == 0 and here.read_text() == "USR1\n" and there.read_text() == "", log.read_text()
-    assert "scancel" not in calls.read_text()
+    return EndedJob(tmp_path, code, log.read_text(), here.read_text(), calls.read_text())
+
+
+@needs_proc
+def test_slurm_signals_the_relay_of_its_own_node_when_hostname_is_inherited(slurm_job):
+    """Two "nodes" (the second with a stand-in uname) share one pid folder, as on a shared /tmp, and both have the
+    HOSTNAME of the submitting host (bash keeps an exported one): each real relay_signals.sh writes its pid under
+    its own node's name, and the batch shell signals its own node's relay, not the other's (on a real cluster, a
+    pid of this node that is some other process). The ranks stop together once one got the signal."""
+    job = slurm_job.result()
+    there = (job.folder / "record.there").read_text()
+    assert job.code == 0 and job.record == "USR1\n" and there == "", job.log
+    assert "scancel" not in job.calls
+
+
+@pytest.fixture(scope="module")
+def slurm_jobs(request, tmp_path_factory) -> dict[str, Future]:
+    """The jobs of the Slurm stop tests above, six at a time, longest first: each spends most of its time asleep
+    (srun's stand-in creating its step, the batch shell's 10 s before each scancel, a stand-in rank's start-up), and
+    the rest mostly in the batch shell's two Pythons finding checkpoints. Six keep both cores busy; more would only
+    make each job wait longer for them. Keyed by test name."""
+    def job(test, run, *args, case: Optional[str] = None):
+        name = node_name(test, case)  # and its folder named as pytest names a test's tmp_path
+        return name, partial(run, tmp_path_factory.mktemp(re.sub(r"\W", "_", name)[:30]), *args)
+
+    return side_by_side(request, dict([
+        # srun creating its step for 15 s: the first scancel, at 10 s, comes before it has a task to signal
+        job(test_slurm_sends_the_stop_through_scancel_again_while_srun_creates_its_step,
+            partial(ended_relay_job, announce="true", step_seconds=15)),
+        *(job(test_slurm_stop_goes_through_scancel_when_this_nodes_relay_cannot_be_signalled, unsignalled_relay_job,
+              announce, mktemp_fails, tmpdir, case=case)
+          for case, (announce, mktemp_fails, tmpdir, _) in UNSIGNALLED.items()),
+        *(job(test_slurm_stop_during_start_up_is_requeued_3_times_in_a_row_at_most, start_up_job, count, refused,
+              case=case) for case, (count, _, refused) in START_UP.items()),
+        job(test_slurm_passes_one_sigusr1_to_the_relay_of_its_node, partial(ended_relay_job, signal_again=True)),
+        job(test_slurm_does_not_requeue_a_run_stopped_with_its_last_checkpoint, finished_job),
+        job(test_slurm_without_its_checkpoint_folder_does_not_requeue, unfound_checkpoints_job),
+        job(test_slurm_signals_the_relay_of_its_own_node_when_hostname_is_inherited, two_nodes_job),
+    ]), at_once=6)
+
+
+@pytest.fixture
+def slurm_job(slurm_jobs, request) -> Future:
+    """This test's job, which slurm_jobs ran: .result() is its EndedJob, or raises what the job raised."""
+    return slurm_jobs[request.node.name]
