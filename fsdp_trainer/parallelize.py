@@ -19,6 +19,7 @@ keep_gathered and prefetch count blocks by it, and it tells which module runs la
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import zlib
 from typing import Iterable, Sequence, get_args
@@ -42,6 +43,10 @@ def blocks_of(model: nn.Module, block_types: Sequence[type]) -> list[nn.Module]:
     if isinstance(block_types, type) or not all(isinstance(t, type) for t in block_types):
         raise TypeError(f"block_types={block_types!r}: expected a tuple of the classes of the model's repeated "
                         "blocks, e.g. (MyBlock,), not a class alone or a name")
+    if not block_types:
+        raise ValueError(f"block_types is empty, but {type(model).__name__} is sharded block by block: pass the class "
+                         "of its repeated blocks, or, for a model without any, the class of its largest submodules "
+                         "(each becomes a unit of its own; not a container without a forward such as nn.ModuleList)")
     blocks = [m for m in model.modules() if isinstance(m, tuple(block_types))]
     if not blocks:
         names = ", ".join(t.__name__ for t in block_types)
@@ -202,9 +207,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
 def check_units(model: nn.Module, block_types: Sequence[type], groups: Iterable[Iterable[nn.Module]] = ()
                 ) -> tuple[list[nn.Module], list[list[nn.Module]]]:
     """The model's blocks and `groups` as apply_fsdp shards them, once checked for what fully_shard would refuse
-    late or obscurely, or do wrong unsaid: trainable parameters in 16 bits, a group module outside the model or the
-    model itself, an empty group, a module in two units, a parameter tied across units. Raises TypeError or
-    ValueError naming it."""
+    late or obscurely, or do wrong unsaid: trainable parameters in 16 bits, the model itself or a container without
+    a forward as a block, groups not given as lists of modules, a group module outside the model or the model
+    itself, an empty group, a module in two units, a parameter tied across units. Raises TypeError or ValueError
+    naming it."""
     # fully_shard keeps each parameter's dtype for its shard, the optimizer's master weight: from a model built in
     # 16 bits, the weights, AdamW's moments and the float32-reduced gradients would all be silently rounded to it.
     # Frozen parameters have no master weights: a 16-bit frozen base is the model's own choice.
@@ -216,7 +222,16 @@ def check_units(model: nn.Module, block_types: Sequence[type], groups: Iterable[
                          "weights; build the model in float32 (param_dtype is the dtype forward and backward compute "
                          "in)")
     blocks = blocks_of(model, block_types)
-    groups = [list(group) for group in groups]
+    if any(block is model for block in blocks):
+        raise ValueError(f"block_types includes {type(model).__name__}, the model's own class, but the model is the "
+                         "root unit, sharded last with whatever no block holds: pass the class of its repeated blocks")
+    for block in blocks:
+        if type(block).forward is nn.Module.forward:  # fully_shard refuses these, but only once it has begun
+            inner = ", ".join(sorted({type(child).__name__ for child in block.children()})) or "none"
+            raise ValueError(f"block_types includes {type(block).__name__}, a container without a forward of its "
+                             "own, which fully_shard cannot shard as a unit: pass the class of the blocks it holds "
+                             f"({inner})")
+    groups = _listed_groups(groups)
     if not all(groups):
         raise ValueError("a group in `groups` is empty: each group lists the modules that share one all-gather")
     present = {id(module) for module in model.modules()}
@@ -228,15 +243,42 @@ def check_units(model: nn.Module, block_types: Sequence[type], groups: Iterable[
     # Units must not overlap, nor nest (fully_shard would fail with a bare assertion or an invariant error): every
     # module under a unit's modules, counted once per unit module that holds it.
     names = {id(module): name for name, module in model.named_modules()}
-    held: set[int] = set()
-    for module in [*blocks, *(module for group in groups for module in group)]:
+    unit_modules = [*blocks, *(module for group in groups for module in group)]
+    holder: dict[int, int] = {}  # id(module) -> the index in unit_modules of the first that held it
+    for index, module in enumerate(unit_modules):
         for sub in module.modules():
-            if id(sub) in held:
-                raise ValueError(f"{names[id(sub)]} is in two FSDP units (listed twice, a block also in a group, or "
-                                 "a group inside or around another unit): give each module to one unit only")
-            held.add(id(sub))
+            first = holder.setdefault(id(sub), index)
+            if first == index:
+                continue
+            outer = unit_modules[first]
+            if first < len(blocks) and index < len(blocks):  # blocks come outer first, as modules() lists them
+                raise ValueError(f"{names[id(sub)]} is in two FSDP units: the block class {type(module).__name__} "
+                                 f"matches modules inside another block ({names[id(outer)]}, of class "
+                                 f"{type(outer).__name__}): give block_types the class of the outermost repeated "
+                                 "blocks only")
+            raise ValueError(f"{names[id(sub)]} is in two FSDP units (listed twice, a block also in a group, or "
+                             "a group inside or around another unit): give each module to one unit only")
     _check_ties(model, blocks, groups)
     return blocks, groups
+
+
+def _listed_groups(groups) -> list[list[nn.Module]]:
+    """`groups` read once into lists (they may be generators), refusing any other form: list() would iterate a
+    module given where its group belongs, or fail on it with a bare TypeError."""
+    form = "groups is a list of lists of modules, e.g. [[model.embed], [model.norm, model.head]], or [] for none"
+    if isinstance(groups, nn.Module):
+        raise TypeError(f"groups is of type {type(groups).__name__}: {form}")
+    listed = []
+    for group in groups:
+        if isinstance(group, nn.Module) or not isinstance(group, Iterable):
+            raise TypeError(f"groups holds an item of type {type(group).__name__} where a list of modules belongs: "
+                            f"{form}")
+        group = list(group)
+        strays = [type(item).__name__ for item in group if not isinstance(item, nn.Module)]
+        if strays:
+            raise TypeError(f"a group holds an item of type {strays[0]}, not a module: {form}")
+        listed.append(group)
+    return listed
 
 
 def _check_ties(model: nn.Module, blocks: list[nn.Module], groups: list[list[nn.Module]]) -> None:
@@ -244,6 +286,7 @@ def _check_ties(model: nn.Module, blocks: list[nn.Module], groups: list[list[nn.
     holds): each unit shards its own copy, which unties it, and FSDP2 refuses only at the first forward."""
     names = {id(module): name for name, module in model.named_modules()}
     unit_of = {id(block): f"block {names[id(block)]}" for block in blocks}
+    block_units = set(unit_of.values())
     for group in groups:
         unit_of.update({id(module): "group [" + ", ".join(names[id(m)] for m in group) + "]" for module in group})
     owner: dict[int, tuple[str, str]] = {}  # id(parameter) -> (its first name, its unit)
@@ -254,10 +297,16 @@ def _check_ties(model: nn.Module, blocks: list[nn.Module], groups: list[list[nn.
             first, first_unit = owner.setdefault(id(param), (name, unit))
             if first_unit != unit:
                 modules = " and ".join(n.rpartition(".")[0] or "the model itself" for n in (first, name))
-                raise ValueError(
-                    f"apply_fsdp: {name} (in {unit}) is the same parameter as {first} (in {first_unit}), tied "
-                    f"weights, which must live in one FSDP unit: put the modules that share it ({modules}) in one "
-                    "group, or leave them all out of `groups` so that the root holds them")
+                tied = (f"apply_fsdp: {name} (in {unit}) is the same parameter as {first} (in {first_unit}), tied "
+                        "weights, which must live in one FSDP unit")
+                # A module inside a block cannot join a group (nor the root): the block is its unit.
+                if {unit, first_unit} & block_units:
+                    raise ValueError(f"{tied}, and a block's unit is the block: hold the shared weight in one module "
+                                     "registered once on the model, outside the blocks (the root or a group of its "
+                                     "own then holds it), or pass block classes whose modules contain all its users "
+                                     f"({modules})")
+                raise ValueError(f"{tied}: put the modules that share it ({modules}) in one group, or leave them "
+                                 "all out of `groups` so that the root holds them")
         for name, child in module.named_children():
             visit(child, f"{prefix}.{name}" if prefix else name, unit)
 
@@ -293,7 +342,10 @@ def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload:
       Without it, every submodule's `reset_parameters()` runs (or, for torch.nn's own modules such as
       MultiheadAttention, the `_reset_parameters()` their constructors call), each module's after its children's
       as in eager construction, so that a block's own reset_parameters() has the last word over its submodules'.
-      World-size independent only where DTensor's random ops are (CUDA).
+      On a CUDA mesh they run on the shards, and DTensor's offset-based RNG draws each shard as its part of one
+      full tensor. On any other mesh, whose DTensors draw every shard from the same stream, they run on full
+      replicas of the parameters, of which each rank keeps its shard: the weights of eager construction under
+      the same seed, for any world size.
     - `init_buffers()`: recomputes the buffers (a RoPE table, say), which materializing leaves unset. Without it,
       each buffer is left to its own module's reset, with or without init_param.
     - `tie_weights()`: ties shared parameters again after materializing.
@@ -301,13 +353,7 @@ def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload:
     parameter counts as filled where its module or any module around it resets, a buffer only where its own
     module does (a block's reset_parameters() seldom recomputes a RoPE table below it). With
     `offload` (FSDP's CPU offload) parameters are materialized in host memory and buffers on `device`."""
-    unset = _left_unset(model)
-    if unset:
-        raise ValueError(f"init_weights cannot initialize {', '.join(unset[:4])}" + (" ..." if len(unset) > 4 else "")
-                         + ": materialized from meta they would hold garbage, and no reset_parameters() of their "
-                         "module (or, for parameters, of a module around it) fills them; give the model "
-                         "init_param(name, full_tensor, generator) for parameters and init_buffers() for buffers, "
-                         "or reset_parameters() to their modules")
+    check_initializable(model)
     torch.manual_seed(seed)
     model.to_empty(device="cpu" if offload else device)
     if offload:
@@ -319,10 +365,13 @@ def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload:
     if hasattr(model, "init_buffers"):
         model.init_buffers()
     if not hasattr(model, "init_param"):
-        for module in _children_first(model):
-            reset = _reset_of(module)
-            if reset:
-                reset()
+        sharded = [param for param in model.parameters() if isinstance(param, DTensor)]
+        # On CUDA the resets stay on the shards: full replicas of a model sharded to fit would not fit one GPU.
+        if sharded and sharded[0].device_mesh.device_type != "cuda":
+            with _full_replicas(model):
+                _reset_all(model)
+        else:
+            _reset_all(model)
         return
     if not hasattr(model, "init_buffers"):
         # init_param fills parameters only: each buffer is its own module's reset to fill (a BatchNorm's running
@@ -334,12 +383,59 @@ def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload:
     for name, param in model.named_parameters():
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
         model.init_param(name, full, param_generator(seed, name, full.device))
-        if isinstance(param, DTensor):
-            # Every rank built the same full tensor, so each can cut its own shard without communication.
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-            param.to_local().copy_(local)
-        else:
-            param.copy_(full)
+        _keep_shard(param, full)
+
+
+def check_initializable(model: nn.Module) -> None:
+    """Refuse a meta-device model with parameters or buffers that init_weights would leave unset (_left_unset)."""
+    unset = _left_unset(model)
+    if unset:
+        raise ValueError(f"init_weights cannot initialize {', '.join(unset[:4])}" + (" ..." if len(unset) > 4 else "")
+                         + ": materialized from meta they would hold garbage, and no reset_parameters() of their "
+                         "module (or, for parameters, of a module around it) fills them; give the model "
+                         "init_param(name, full_tensor, generator) for parameters and init_buffers() for buffers, "
+                         "or reset_parameters() to their modules")
+
+
+def _keep_shard(param: nn.Parameter, full: torch.Tensor) -> None:
+    """Copy this rank's part of `full`, the same full tensor on every rank, into `param`."""
+    if isinstance(param, DTensor):
+        # Every rank holds the same full tensor, so each can cut its own shard without communication.
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+def _reset_all(model: nn.Module) -> None:
+    for module in _children_first(model):
+        reset = _reset_of(module)
+        if reset:
+            reset()
+
+
+@contextlib.contextmanager
+def _full_replicas(model: nn.Module):
+    """Within: each DTensor parameter replaced, in every module that holds it, by one full tensor of its shape (one
+    per parameter, so that a tie holds). On leaving, each rank keeps its shard of what the full tensor then holds,
+    and the DTensors are put back."""
+    fulls: dict[int, tuple[DTensor, nn.Parameter]] = {}  # id(DTensor parameter) -> (it, its full replica)
+    slots: list[tuple[nn.Module, str, DTensor]] = []
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if isinstance(param, DTensor):
+                if id(param) not in fulls:
+                    full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+                    fulls[id(param)] = param, nn.Parameter(full, param.requires_grad)
+                module._parameters[name] = fulls[id(param)][1]
+                slots.append((module, name, param))
+    try:
+        yield
+    finally:
+        for module, name, param in slots:
+            module._parameters[name] = param
+    for param, replica in fulls.values():
+        _keep_shard(param, replica)
 
 
 def _reset_of(module: nn.Module):

@@ -182,7 +182,7 @@ class NarrowHead(GPT2):
 @pytest.mark.parametrize("model,returned", [(ReturnsTuple, "a tuple"), (Classifier, r"a tensor of shape \(2, 320\)"),
                                             (NarrowHead, r"a tensor of shape \(2, 32, 300\)")])
 def test_a_forward_that_does_not_return_logits_is_named(model, returned):
-    with pytest.raises(TypeError, match=rf"model\(tokens\) returned {returned} for tokens of shape \(2, 32\): the "
+    with pytest.raises(ConfigError, match=rf"model\(tokens\) returned {returned} for tokens of shape \(2, 32\): the "
                                         r"trainer needs the logits alone, one tensor of shape \(batch, seq_len, "
                                         r"vocab_size\) with vocab_size at least model.vocab_size=320"):
         one_step(model())
@@ -196,7 +196,8 @@ def test_the_trainer_checks_the_logits_of_a_teams_model(tmp_path):
     """The check above is the one build_model puts on a team's model (the stdlib data's byte ids, all below 300, would
     train unchecked)."""
     cfg = tiny_config(train={"output_dir": str(tmp_path)})
-    with pytest.raises(AssertionError, match=r"TypeError: model\(tokens\) returned a tensor of shape \(4, 32, 300\)"):
+    with pytest.raises(AssertionError, match=r"ConfigError: model\(tokens\) returned a tensor of shape \(4, 32, "
+                                             r"300\)"):
         run_ranks(train_gpt2, 1, cfg, narrow_head_fn)
 
 
@@ -224,6 +225,35 @@ def test_an_embedding_smaller_than_the_data_s_vocabulary_is_named_before_the_fir
         run_ranks(train_gpt2, 1, cfg, small_vocab_fn)
 
 
+def byte_vocab_fn(cfg):
+    """A byte-level vocabulary with a long context: the position table, not the token embedding, is the largest."""
+    return GPT2(vocab=300, ctx=1024), (GPT2Block,), []
+
+
+def test_a_token_embedding_smaller_than_the_vocabulary_is_named_at_the_first_lookup(tmp_path):
+    """Its 1024 positions pass the check of the largest embedding against model.vocab_size=512; the lookup of the
+    tokens in its 300 rows is refused before it indexes past them (an IndexError, a device-side assert on GPUs)."""
+    cfg = tiny_config(model={"vocab_size": 512}, train={"output_dir": str(tmp_path)})
+    with pytest.raises(AssertionError, match=r"ConfigError: GPT2's token embedding wte has 300 rows, but the data "
+                                             r"may hold ids up to model.vocab_size=512: set --model.vocab_size 300"):
+        run_ranks(train_gpt2, 1, cfg, byte_vocab_fn)
+
+
+def test_the_token_embedding_is_checked_at_the_first_forward_only():
+    """The position lookup (not the tokens) passes; after the first forward no hook is left to cost anything."""
+    model = GPT2(vocab=300, ctx=1024)
+    train.check_token_embedding_once(model, 320)
+    with pytest.raises(ConfigError, match="GPT2's token embedding wte has 300 rows"):
+        model(torch.zeros(2, 8, dtype=torch.long))
+    assert not model._forward_pre_hooks and not model._forward_hooks and not model.wte._forward_pre_hooks
+    model(torch.zeros(2, 8, dtype=torch.long))  # unchecked from now on
+    model = GPT2(vocab=320)
+    train.check_token_embedding_once(model, 320)
+    model(torch.zeros(2, 8, dtype=torch.long))
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert not any(module._forward_pre_hooks for module in model.modules())
+
+
 def sharded_units_of_generators(cfg):
     """Worker: which of GPT2's modules become FSDP units of their own when model_fn gives its groups as generators
     (the trainer reads them twice: to check them, then to shard them)."""
@@ -248,8 +278,21 @@ def split_tie_fn(cfg):
     return model, (GPT2Block,), [[model.wte]]
 
 
+def two_tuple_fn(cfg):
+    return GPT2(), (GPT2Block,)  # groups left out
+
+
+def returns_tuple_fn(cfg):
+    return ReturnsTuple(), (GPT2Block,), []
+
+
 @pytest.mark.parametrize("model_fn,message", [
     ("small_vocab_fn", "GPT2's largest embedding has 300 rows"),
+    ("byte_vocab_fn", "GPT2's token embedding wte has 300 rows, but the data may hold ids up to model.vocab_size=320"),
+    ("two_tuple_fn", "model_fn returned a tuple of 2, but must return (model, block classes, groups), e.g. (model, "
+                     "(MyBlock,), []), with [] for no groups"),
+    ("returns_tuple_fn", "model(tokens) returned a tuple for tokens of shape (2, 32): the trainer needs the logits "
+                         "alone"),
     ("split_tie_fn", "GPT2 as model_fn returned it: apply_fsdp: lm_head.weight (in the root (what no block or group "
                      "holds)) is the same parameter as wte.weight (in group [wte]), tied weights"),
 ])
@@ -318,6 +361,25 @@ def test_a_teams_model_s_own_context_and_blocks_bound_the_run(flags, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         train.check_own_model(LongContextGPT2(), (GPT2Block,), [], cfg, cfg.model.vocab_size)
     train.check_own_model(LongContextGPT2(), (GPT2Block,), [], parse_args(TINY_FLAGS), cfg.model.vocab_size)
+
+
+@pytest.mark.parametrize("build,message", [
+    (lambda: (lambda m: (m, [m.wpe]))(GPT2()), r"GPT2 as model_fn returned it: groups holds an item of type Embedding where a "
+                                     r"list of modules belongs: groups is a list of lists of modules, e.g. "
+                                     r"\[\[model.embed\], "),
+    (lambda: (GPT2(), [[]]), "GPT2 as model_fn returned it: a group in `groups` is empty"),
+    # Built on meta, its scale and its position buffer, in the root, which has neither reset_parameters() nor
+    # init_param and init_buffers, would hold garbage.
+    (lambda: (GPT2().to("meta"), []), "GPT2 as model_fn returned it: init_weights cannot initialize logit_scale, "
+                                      "positions: materialized from meta they would hold garbage"),
+])
+def test_a_teams_model_that_cannot_be_sharded_or_materialized_is_named_before_sharding(build, message):
+    """As a ConfigError (one line, exit 2, from main), before anything is sharded or allocated, not as a TypeError
+    from reading the groups or a ValueError from init_weights after sharding, once per rank."""
+    cfg = parse_args(TINY_FLAGS)
+    model, groups = build()
+    with pytest.raises(ConfigError, match=message):
+        train.check_own_model(model, (GPT2Block,), groups, cfg, cfg.model.vocab_size)
 
 
 def test_flops_per_token_of_a_teams_model(caplog):

@@ -386,13 +386,14 @@ class TiedLM(nn.Module):
 
 
 def _lm_losses(model, rank, world, steps=3):
-    tokens = torch.randint(0, 16, (steps, 4, 6), generator=torch.Generator().manual_seed(5))
+    # A global batch of 12 sequences, split evenly over 1, 2 or 3 ranks: the mean of the ranks' means is its mean.
+    tokens = torch.randint(0, 16, (steps, 12, 6), generator=torch.Generator().manual_seed(5))
     # SGD, not Adam: the attention's key bias has a gradient of zero but for rounding, which Adam would blow up to
     # full steps of either sign.
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
-        batch = tokens[step, rank * 4 // world:(rank + 1) * 4 // world]
+        batch = tokens[step, rank * 12 // world:(rank + 1) * 12 // world]
         loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
         opt.step()
@@ -402,11 +403,10 @@ def _lm_losses(model, rank, world, steps=3):
 
 
 def shard_tied_lm(world, groups):
-    """Built on meta, sharded with the tied embedding and head in one unit, initialized by init_weights; its
-    initial weights, then (from the eager reference's weights: the reset_parameters() path draws per rank on CPU)
-    its losses and final weights after training."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         set_model_state_dict)
+    """Built on meta, sharded with the tied embedding and head in one unit, initialized by init_weights (TiedLM has
+    no init_param: its modules' resets run); its initial weights, gathered, then its losses and final weights after
+    training from them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from fsdp_trainer import distributed
     from fsdp_trainer.parallelize import init_weights
@@ -417,9 +417,8 @@ def shard_tied_lm(world, groups):
     apply_fsdp(model, distributed.build_mesh("cpu", 1, world), block_types=(AttentionBlock,),
                groups=[[getattr(model, name) for name in group] for group in groups], param_dtype=torch.float32)
     init_weights(model, torch.device("cpu"), seed=0)
-    initial = {name: value.clone() for name, value in get_model_state_dict(model, options=full).items()}  # not views
-    torch.manual_seed(0)
-    set_model_state_dict(model, TiedLM().state_dict(), options=StateDictOptions(full_state_dict=True))
+    assert model.embed.weight is model.head.weight
+    initial = {name: param.full_tensor().clone() for name, param in model.named_parameters()}  # not views
     losses = torch.stack(_lm_losses(model, info.rank, world))
     torch.distributed.all_reduce(losses)
     return initial, (losses / world).tolist(), get_model_state_dict(model, options=full)
@@ -440,17 +439,19 @@ def test_init_weights_fills_multihead_attention_and_parameters_their_block_reset
         assert torch.equal(value, reference[name]), name
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_a_teams_tied_transformer_shards_and_matches_plain_training(world):
+    """Initialized on meta without init_param, on any number of CPU ranks (3 cut every dimension of TiedLM
+    unevenly), the weights are eager construction's under the same seed, not a rank's shard repeated: the resets
+    run on full replicas, of which each rank keeps its shard."""
     results = run_ranks(shard_tied_lm, world, world, [["embed", "norm", "head"]])
     torch.manual_seed(0)
     reference = TiedLM()
-    ref_losses = [loss.item() for loss in _lm_losses(reference, 0, 1)]
     initial, losses, state = results[0]
-    if world == 1:  # on more CPU ranks reset_parameters() draws from DTensor's per-rank random streams
-        torch.manual_seed(0)
-        for name, value in TiedLM().state_dict().items():
-            assert torch.equal(initial[name], value), name
+    assert initial.keys() == dict(reference.named_parameters()).keys()
+    for name, value in reference.named_parameters():
+        assert torch.equal(initial[name], value), name
+    ref_losses = [loss.item() for loss in _lm_losses(reference, 0, 1)]
     assert losses == pytest.approx(ref_losses, abs=1e-5)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, atol=1e-5, rtol=0, msg=name)
@@ -472,6 +473,85 @@ def test_apply_fsdp_refuses_tied_weights_split_across_units_before_sharding(monk
                                                r"modules that share it \(embed and head\) in one group"):
         apply_fsdp(model, None, block_types=(AttentionBlock,),
                    groups=[[getattr(model, name) for name in group] for group in groups])
+
+
+def _tie_across(model, where):
+    if where == "two blocks":
+        model.blocks[1].mlp.weight = model.blocks[0].mlp.weight
+    else:  # a block and the root
+        model.norm.weight = model.blocks[1].norm.weight
+    return model
+
+
+@pytest.mark.parametrize("where,names", [
+    ("two blocks", r"blocks.1.mlp.weight \(in block blocks.1\) is the same parameter as blocks.0.mlp.weight \(in "
+                   r"block blocks.0\)"),
+    ("block and root", r"norm.weight \(in the root \(what no block or group holds\)\) is the same parameter as "
+                       r"blocks.1.norm.weight \(in block blocks.1\)"),
+])
+def test_a_weight_tied_inside_a_block_is_refused_with_advice_that_can_work(monkeypatch, where, names):
+    """A module inside a block cannot join a group (it would be in two units), nor the root: the advice for ties
+    between groups and the root would only lead to another error."""
+    from fsdp_trainer import parallelize
+
+    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
+    with torch.device("meta"):
+        model = _tie_across(TiedLM(), where)
+    users = {"two blocks": "blocks.0.mlp and blocks.1.mlp", "block and root": "blocks.1.norm and norm"}[where]
+    with pytest.raises(ValueError, match=f"^apply_fsdp: {names}, tied weights, which must live in one FSDP unit, and "
+                                         "a block's unit is the block: hold the shared weight in one module registered "
+                                         r"once on the model, outside the blocks \(the root or a group of its own then "
+                                         r"holds it\), or pass block classes whose modules contain all its users "
+                                         rf"\({users}\)$"):
+        apply_fsdp(model, None, block_types=(AttentionBlock,))
+    if where == "two blocks":  # the second way out: a block class holding all its users (the Sequential of blocks)
+        assert parallelize.check_units(model, (nn.Sequential,))[0] == [model.blocks]
+
+
+@pytest.mark.parametrize("groups,message", [
+    (lambda m: [m.embed, m.norm], r"groups holds an item of type Embedding where a list of modules belongs: groups is "
+                                  r"a list of lists of modules, e.g. \[\[model.embed\], \[model.norm, "
+                                  r"model.head\]\], or \[\] for none"),
+    (lambda m: [(m.norm)], "groups holds an item of type LayerNorm where a list of modules belongs"),
+    # list() would take the Sequential's blocks for the group
+    (lambda m: [m.blocks], "groups holds an item of type Sequential where a list of modules belongs"),
+    (lambda m: m.norm, "groups is of type LayerNorm: groups is a list of lists of modules"),
+    (lambda m: [["norm", "head"]], "a group holds an item of type str, not a module: groups is a list of lists"),
+])
+def test_groups_in_another_form_than_lists_of_modules_are_refused_showing_the_form(monkeypatch, groups, message):
+    from fsdp_trainer import parallelize
+
+    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
+    with torch.device("meta"):
+        model = TiedLM()
+    with pytest.raises(TypeError, match=f"^{message}"):
+        apply_fsdp(model, None, block_types=(AttentionBlock,), groups=groups(model))
+
+
+@pytest.mark.parametrize("block_types,message", [
+    ((TiedLM,), "^block_types includes TiedLM, the model's own class, but the model is the root unit, sharded last "
+                "with whatever no block holds: pass the class of its repeated blocks$"),
+    ((nn.ModuleList,), r"^block_types includes ModuleList, a container without a forward of its own, which "
+                       r"fully_shard cannot shard as a unit: pass the class of the blocks it holds "
+                       r"\(AttentionBlock\)$"),
+    ((), "^block_types is empty, but TiedLM is sharded block by block: pass the class of its repeated blocks, or, "
+         "for a model without any, the class of its largest submodules"),
+    ((AttentionBlock, nn.Linear), r"^blocks.0.attn.out_proj is in two FSDP units: the block class "
+                                  r"NonDynamicallyQuantizableLinear matches modules inside another block \(blocks.0, "
+                                  r"of class AttentionBlock\): give block_types the class of the outermost "
+                                  "repeated blocks only$"),
+])
+def test_block_classes_fully_shard_would_fail_on_are_refused_before_sharding(monkeypatch, block_types, message):
+    """The model's own class and a container without a forward fail inside fully_shard (an assertion, a bare
+    ValueError); no class, or a class matching modules inside the blocks, would otherwise be named obscurely."""
+    from fsdp_trainer import parallelize
+
+    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
+    with torch.device("meta"):
+        model = TiedLM()
+    model.blocks = nn.ModuleList(model.blocks)  # a container without a forward, as many models hold their blocks
+    with pytest.raises(ValueError, match=message):
+        apply_fsdp(model, None, block_types=block_types)
 
 
 def second_backward_training_one_module(cases):
