@@ -32,11 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Dataset
 
 from fsdp_trainer import distributed
-from fsdp_trainer.checkpoint import CheckpointError, Checkpointer, StopSignals
+from fsdp_trainer.checkpoint import CheckpointError, Checkpointer, StopSignals, model_class
 from fsdp_trainer.config import (Config, ConfigError, check_block_counts, check_output_dirs, grads_in_compute_pool,
                                  mesh_shape, parse_args, resolve_param_dtype, to_toml, validate)
 from fsdp_trainer.data import (DataError, build_dataloader, build_dataset, check_enough_samples, samples_per_step,
@@ -113,7 +112,7 @@ def flops_per_token(model: nn.Module, args, seq_len: int, num_params: int) -> in
         return args.flops_per_token(seq_len)
     if hasattr(model, "flops_per_token"):
         return model.flops_per_token(seq_len)
-    logger.info(f"{_class_name(model)} has no flops_per_token(seq_len): TFLOPs and MFU assume 6 FLOPs per "
+    logger.info(f"{model_class(model).__name__} has no flops_per_token(seq_len): TFLOPs and MFU assume 6 FLOPs per "
                 "parameter per token, without attention; define it for exact numbers")
     return 6 * num_params
 
@@ -155,11 +154,6 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
     scheduler.step()
     lap("optimizer")
     return loss_sum, grad_norm
-
-
-def _class_name(model: nn.Module) -> str:
-    """The model's own class name, not that of the subclass fully_shard swaps in (FSDPGPT2 for GPT2)."""
-    return next(cls.__name__ for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
 
 
 def _shape_of(value) -> str:
@@ -228,7 +222,7 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
 
         if info.is_main:
             write_run_info(output_dir, to_toml(cfg), environment(device, info.world_size, mesh.mesh.shape))
-            name = cfg.model.name if args is not None else _class_name(model)
+            name = cfg.model.name if args is not None else model_class(model).__name__
             logger.info(f"model {name}: {num_params / 1e6:,.1f}M parameters | mesh "
                         f"{dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))} | {param_dtype} compute | "
                         f"global batch {global_batch} x {t.seq_len} tokens | ac {cfg.ac.mode}")
@@ -290,7 +284,7 @@ def check_own_model(model: nn.Module, blocks: Sequence[type], groups: Sequence[S
     train.seq_len beyond the model's max_seq_len attribute; settings counting more blocks than it has; a forward
     that cannot take train.loss_chunk_tokens' call, model(tokens, labels, chunk_tokens). Returns the groups as
     lists: model_fn may give generators, which sharding reads again."""
-    name = _class_name(model)
+    name = model_class(model).__name__
     try:
         block_list, groups = check_units(model, blocks, groups)
         if any(param.is_meta for param in model.parameters()):  # as build_model decides to call init_weights
@@ -327,7 +321,7 @@ def check_token_embedding_once(model: nn.Module, vocab_size: int) -> None:
     be a position table longer than a small vocabulary (bytes, characters), and an id past the token table is an
     IndexError in the first step, or a device-side assert on GPUs. Identity and sizes only: no sync. The hooks are
     removed after the first forward."""
-    name = _class_name(model)
+    name = model_class(model).__name__
     names = {id(module): module_name for module_name, module in model.named_modules()}
     tokens: list[torch.Tensor] = []
 
