@@ -322,9 +322,19 @@ def test_a_resume_restores_the_loss_scaler(tmp_path):
     assert (restored.get_scale(), restored._get_growth_tracker()) == (1024.0, 7)
 
 
+def same_state(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal; for floating-point tensors, within 1e-6 of the largest magnitude: two runs in this one long-lived
+    process have been seen, once, to round a few float32 values apart (CPU kernels are not bit-reproducible across
+    a process's history), while the state one step later lies over 1e-4 away (1.1e-4 for the least-moved tensor,
+    the token embedding, from step 2 to 3), so a save that caught a step too late still fails."""
+    if not want.is_floating_point() or not want.numel():
+        return torch.equal(got, want)
+    return got.shape == want.shape and bool((got - want).abs().max() <= 1e-6 * want.abs().max())
+
+
 def test_async_and_sync_saves_hold_the_same_tensors(small, tmp_path):
     """none, async and async_pinned: the same model, optimizer and RNG tensors in every checkpoint, also in one
-    saved while training went on, and the same exported model.pt."""
+    saved while training went on, and the same exported model.pt (to float32 rounding: see same_state)."""
     for mode in ("async", "async_pinned"):
         out = tmp_path / mode
         train_in_process("--train.steps", "4", "--checkpoint.interval", "2", "--checkpoint.async_mode", mode,
@@ -340,13 +350,13 @@ def test_async_and_sync_saves_hold_the_same_tensors(small, tmp_path):
             assert sorted(got) == sorted(want) and any(k.startswith("optim.state.") for k in got)
             # Python's RNG is this test process's, run after run.
             for key in want.keys() - {"rng.rank0.python", "rng.rank0.python_gauss"}:
-                assert torch.equal(got[key], want[key]), (mode, step, key)
+                assert same_state(got[key], want[key]), (mode, step, key, (got[key] - want[key]).abs().max())
         ck.main(["export", str(out / "checkpoints"), str(tmp_path / f"export_{mode}")])
     ck.main(["export", str(small / "checkpoints"), str(tmp_path / "export_none")])
     want = torch.load(tmp_path / "export_none/model.pt")
     for mode in ("async", "async_pinned"):
         got = torch.load(tmp_path / f"export_{mode}/model.pt")
-        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        assert got.keys() == want.keys() and all(same_state(got[k], want[k]) for k in want)
 
 
 def test_a_failing_step_still_commits_the_save_in_flight(tmp_path, monkeypatch):
