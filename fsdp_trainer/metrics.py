@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from fsdp_trainer.distributed import logger
 
@@ -122,6 +123,10 @@ class Metrics:
         """Begin timing at `step`: the step a run resumes from, once everything before the loop is done."""
         self.start_step = self.window_step = step
         self.start_time = self.window_time = time.perf_counter()
+        # The ETA's pace is timed from the end of the first logged window on: that window holds the one-off costs
+        # (compilation, the first communicators, pinned staging buffers) that the steps left to run will not pay.
+        self.pace_step: Optional[int] = None
+        self.pace_time = 0.0
 
     def log(self, step: int, loss: float, grad_norm: float, lr: float, extra: Optional[dict] = None) -> dict:
         now = time.perf_counter()
@@ -132,26 +137,31 @@ class Metrics:
                "tflops_per_gpu": tokens_per_s_gpu * self.flops_per_token / 1e12}
         if self.peak:
             row["mfu"] = tokens_per_s_gpu * self.flops_per_token / self.peak
-        row.update(memory_gib(self.device))
-        if row.get("alloc_retries") and not self.warned_retries:  # every rank: it names the ones at their limit
+        memory = memory_gib(self.device)
+        if memory.get("alloc_retries") and not self.warned_retries:  # every rank: it names the ones at their limit
             self.warned_retries = True
-            logger.warning(f"by step {step} the CUDA caching allocator has run out {row['alloc_retries']} times, "
-                           f"emptied its cache and retried (reserved {row['mem_reserved_gib']:.1f} GiB). Each retry "
+            logger.warning(f"by step {step} the CUDA caching allocator has run out {memory['alloc_retries']} times, "
+                           f"emptied its cache and retried (reserved {memory['mem_reserved_gib']:.1f} GiB). Each retry "
                            "stalls the GPU: this run is at its memory limit. `python -m fsdp_trainer.plan` with the "
                            "same flags shows what it needs and what to change")
-        row.update(self.phases.read())
+        row.update(self._largest_over_ranks({**memory, **self.phases.read()}))
         row.update(extra or {})
+        if self.pace_step is None:
+            eta_steps, eta_time = step - self.start_step, now - self.start_time
+            self.pace_step, self.pace_time = step, now
+        else:
+            eta_steps, eta_time = step - self.pace_step, now - self.pace_time
         if self.is_main:
             elapsed = now - self.start_time
-            done = step - self.start_step
-            eta = elapsed / done * (self.total_steps - step) if done else 0.0
+            eta = eta_time / eta_steps * (self.total_steps - step) if eta_steps else 0.0
             parts = [f"step {step}/{self.total_steps}", f"loss {loss:.4f}", f"lr {lr:.2e}",
                      f"gnorm {grad_norm:.3f}", f"{tokens_per_s_gpu:,.0f} tok/s/gpu",
                      f"{row['tflops_per_gpu']:.1f} TFLOPs/gpu"]
             if "mfu" in row:
                 parts.append(f"mfu {100 * row['mfu']:.1f}%")
             if "forward_backward_ms" in row:
-                parts.append(f"ms/step data {row['data_ms']:.1f} fwd+bwd {row['forward_backward_ms']:.0f} "
+                waited = f" (rank {row['data_rank']})" if "data_rank" in row else ""
+                parts.append(f"ms/step data {row['data_ms']:.1f}{waited} fwd+bwd {row['forward_backward_ms']:.0f} "
                              f"optim {row['optimizer_ms']:.0f}")
             if "mem_active_gib" in row:
                 parts.append(f"mem {row['mem_active_gib']:.1f}/{row['mem_reserved_gib']:.1f} GiB")
@@ -167,6 +177,23 @@ class Metrics:
                 for key, value in row.items():
                     self.writer.add_scalar(f"train/{key}", value, step)
         return row
+
+    def _largest_over_ranks(self, local: dict[str, float]) -> dict[str, float]:
+        """Each of this rank's phase times and memory peaks as the largest over the ranks, and `data_rank`, the rank
+        that waited longest for its data: a rank whose input is slow stalls the others in the step's next
+        collective, where its wait would count as their forward and backward. One small all-gather, on logging
+        steps only (they sync anyway)."""
+        if self.world_size == 1 or not local:
+            return local
+        keys = sorted(local)
+        mine = torch.tensor([local[k] for k in keys], dtype=torch.float64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine)
+        every = torch.stack(gathered).cpu()
+        largest = {k: type(local[k])(v) for k, v in zip(keys, every.max(dim=0).values.tolist())}  # counts stay int
+        if "data_ms" in largest:
+            largest["data_rank"] = int(every[:, keys.index("data_ms")].argmax())
+        return largest
 
     def close(self) -> None:
         if self.writer:

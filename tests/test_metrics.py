@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from fsdp_trainer.metrics import PhaseTimer
+
+from helpers import run_ranks
 
 
 def test_phases_are_averaged_per_step_and_the_time_between_steps_is_left_out(monkeypatch):
@@ -143,3 +146,59 @@ def test_a_resumed_run_s_eta_is_its_remaining_steps_at_its_own_pace(monkeypatch,
     now[0] += 10.0
     m.log(20, 1.0, 1.0, 1e-3)
     assert lines[-1].startswith("step 20/30 | ") and lines[-1].endswith(" | elapsed 0:00:10 eta 0:00:10"), lines
+
+
+def test_the_eta_leaves_out_the_first_window_s_one_off_costs(monkeypatch, tmp_path):
+    """Step 1 compiles for 120 s, then every step takes 3 s: from the second logged window on, the ETA is the steps
+    left at 3 s each, not at the average that the compilation inflates (130 s / 10 steps at step 10, say)."""
+    from fsdp_trainer import metrics
+
+    now, lines = [100.0], []
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(metrics, "memory_gib", lambda device: {})
+    monkeypatch.setattr(metrics, "logger", types.SimpleNamespace(info=lines.append))
+    m = metrics.Metrics(device=torch.device("cpu"), total_steps=1000, tokens_per_step=8, world_size=1,
+                        flops_per_token=6, output_dir=tmp_path, tensorboard=False, is_main=True)
+    m.start(0)
+    now[0] += 120.0 + 9 * 3.0
+    m.log(10, 1.0, 1.0, 1e-3)
+    assert lines[-1].endswith(f"eta {metrics._duration(147.0 / 10 * 990)}"), lines  # no other pace known yet
+    for step in (20, 30):
+        now[0] += 10 * 3.0
+        m.log(step, 1.0, 1.0, 1e-3)
+        assert lines[-1].endswith(f"eta {metrics._duration(3.0 * (1000 - step))}"), lines
+
+
+def phases_over_two_ranks(data_ms: list[float]) -> tuple[dict, list[str]]:
+    """On each of 2 gloo ranks: a logging step at which this rank waited data_ms[rank] for its data; the row it
+    got, and the lines rank 0 printed."""
+    import torch.distributed as dist
+
+    from fsdp_trainer import distributed, metrics
+
+    info = distributed.init(60)
+    lines: list[str] = []
+    metrics.logger = types.SimpleNamespace(info=lines.append)
+    m = metrics.Metrics(device=torch.device("cpu"), total_steps=10, tokens_per_step=8, world_size=2,
+                        flops_per_token=6, output_dir=Path("."), tensorboard=False, is_main=info.is_main)
+    m.start(0)
+    rank = dist.get_rank()
+    m.phases.read = lambda: {"data_ms": data_ms[rank], "forward_backward_ms": 500.0 + 10 * rank,
+                             "optimizer_ms": 20.0 - rank}
+    return m.log(5, 1.0, 1.0, 1e-3), lines
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+def test_the_logged_phase_times_are_the_slowest_rank_s_and_name_the_rank_that_waited_for_data(slow):
+    """A rank whose data are slow stalls the others in the next collective, where its wait would count as their
+    forward and backward: every rank's row holds each phase's largest time over the ranks, and the rank that
+    waited longest for data, which rank 0's line names (rank 1's wait is not lost in rank 0's row, nor rank 0's
+    in rank 1's)."""
+    waits = [0.8, 0.8]
+    waits[slow] = 325.9
+    results = run_ranks(phases_over_two_ranks, 2, waits)
+    for row, _ in results:
+        assert (row["data_ms"], row["data_rank"]) == (325.9, slow)
+        assert (row["forward_backward_ms"], row["optimizer_ms"]) == (510.0, 20.0)
+    assert "ms/step data 325.9 (rank %d) fwd+bwd 510 optim 20" % slow in results[0][1][-1], results[0][1]
+    assert results[1][1] == []  # only rank 0 prints
