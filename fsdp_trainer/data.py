@@ -97,8 +97,17 @@ def fsync_folder(path: Path) -> None:
 
 
 def write_shard(bin_path: Path, tokens: np.ndarray, vocab_size: int, tokenizer: str) -> None:
-    """Write one shard and its sidecar. The sidecar is written last, so its presence marks a complete shard."""
+    """Write one shard and its sidecar. The sidecar is written last, so its presence marks a complete shard.
+    Raises ValueError for an id outside [0, vocab_size)."""
     dtype = np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+    # The cast below wraps an id that its dtype cannot hold (70000 -> 4464 in uint16) into a shard that passes every
+    # later check; an id the sidecar's vocab_size leaves out would be refused only while training.
+    if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
+        fix = ("pass the tokenizer's ids unchanged" if bad < 0 else
+               f"pass vocab_size {bad + 1} or more (the tokenizer's largest id + 1)")
+        raise ValueError(f"{bin_path}: token id {bad} is not in [0, vocab_size={vocab_size}), so the {dtype.name} "
+                         f"shard would hold a wrapped id or one its sidecar rules out; {fix}")
     data = np.ascontiguousarray(tokens, dtype=dtype)
     write_atomic(bin_path, data.tofile)
     meta = {"dtype": dtype.name, "num_tokens": len(data), "vocab_size": vocab_size, "tokenizer": tokenizer}
@@ -127,11 +136,20 @@ def _read_sidecar(bin_path: Path, where: str) -> Shard:
         num_tokens, vocab_size, tokenizer = meta["num_tokens"], meta["vocab_size"], meta["tokenizer"]
         valid = (isinstance(num_tokens, int) and num_tokens >= 0 and isinstance(vocab_size, int)
                  and vocab_size > 0 and isinstance(tokenizer, str))
+    except OSError as err:
+        raise ConfigError(f"{where}: cannot read sidecar {meta_path} ({err.strerror}); make it readable, or "
+                          f"{fix}") from None
     except (ValueError, KeyError, TypeError):  # not JSON, not an object, a key or dtype missing or unknown
         valid = False
     if not valid:
         raise ConfigError(f"{where}: sidecar {meta_path.name} is corrupt (expected {{\"dtype\": \"uint16\"|\"uint32\", "
                           f"\"num_tokens\": N, \"vocab_size\": V, \"tokenizer\": ...}}); {fix}")
+    if vocab_size > 2**16 and dtype.itemsize == 2:
+        # The typical hand-written sidecar of converted uint32 data: its size check passes, and each id would be
+        # read as two small ones, all inside the vocabulary.
+        raise ConfigError(f"{where}: sidecar {meta_path.name} says dtype uint16, which cannot hold the ids of its "
+                          f"vocab_size {vocab_size}; {fix}, or, if {bin_path.name} holds uint32 ids, set \"dtype\": "
+                          f"\"uint32\" and \"num_tokens\": its size in bytes / 4 there")
     try:
         # Opened here, not first in a loader worker once the GPUs are allocated and the checkpoint is loaded.
         with open(bin_path, "rb") as f:
@@ -156,10 +174,14 @@ class TokenStream:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
+    def shard_index(self, position: "int | np.ndarray") -> "np.intp | np.ndarray":
+        """The index of the shard holding token `position` of the stream (an int, or an array of them)."""
+        # side="right" picks the last shard starting at or before `position`, which skips empty shards.
+        return np.searchsorted(self.starts, position, side="right") - 1
+
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the stream."""
-        # side="right" picks the last shard starting at or before `start`, which skips empty shards.
-        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        i = int(self.shard_index(start))
         parts = []
         while start < stop:
             lo, hi = start - self.starts[i], min(stop, self.starts[i + 1]) - self.starts[i]
@@ -173,11 +195,15 @@ def _read_tokens(shard: Shard, lo: int, hi: int) -> np.ndarray:
     # Each read opens the file: a memory map kept per shard would hold a descriptor, so a loader worker reading a
     # folder of more shards than `ulimit -n` (often 1024) would fail with "Too many open files".
     size = shard.dtype.itemsize
-    fd = os.open(shard.path, os.O_RDONLY)
     try:
-        data = os.pread(fd, (hi - lo) * size, lo * size)
-    finally:
-        os.close(fd)
+        fd = os.open(shard.path, os.O_RDONLY)
+        try:
+            data = os.pread(fd, (hi - lo) * size, lo * size)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise DataError(f"cannot read shard {shard.path} ({err.strerror}): it was removed or made unreadable after "
+                        "start-up; restore it and resume") from None
     if len(data) != (hi - lo) * size:
         raise DataError(f"shard {shard.path} is shorter than the {shard.num_tokens} tokens its sidecar promised at "
                         f"start-up: it changed during the run; re-create it ({_PREPARE_HINT}) and resume")
@@ -309,26 +335,37 @@ class TokenWindows(Dataset):
         self.stream, self.seq_len, self.vocab_size, self.where = stream, seq_len, vocab_size, where
         self.num_samples = (len(stream) - 1) // seq_len
         self.order = SampleOrder(self.num_samples, seed)
+        # An id at or past its shard's own vocab_size is corrupt even where the embedding is larger (byte data
+        # holding id 300 would train silently on a model of 512).
+        self.id_limits = np.minimum([s.vocab_size for s in stream.shards], vocab_size)
 
     def window(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample k itself: tokens[k*seq_len : k*seq_len + seq_len + 1], split into inputs and labels."""
-        start = k * self.seq_len
-        window = self.stream.read(start, start + self.seq_len + 1)
-        # Sidecars are checked at start-up, the tokens only here, a max over one window: an id past the embedding
-        # would otherwise be an IndexError on CPU, a device-side assert on GPUs.
-        if window.max() >= self.vocab_size:
-            self._bad_token(start + int(np.argmax(window >= self.vocab_size)))
+        start, stop = k * self.seq_len, (k + 1) * self.seq_len + 1
+        window = self.stream.read(start, stop)
+        # Sidecars are checked at start-up, the tokens only here, a max over one window against its shards' lowest
+        # limit (each token's own is looked up only then): an id past the embedding would otherwise be an
+        # IndexError on CPU, a device-side assert on GPUs.
+        first, last = int(self.stream.shard_index(start)), int(self.stream.shard_index(stop - 1))
+        if window.max() >= self.id_limits[first:last + 1].min():
+            bad = np.flatnonzero(window >= self.id_limits[self.stream.shard_index(np.arange(start, stop))])
+            if len(bad):
+                self._bad_token(start + int(bad[0]))
         tokens = torch.from_numpy(window.astype(np.int64))
         return tokens[:-1], tokens[1:]
 
     def _bad_token(self, position: int) -> NoReturn:
-        i = int(np.searchsorted(self.stream.starts, position, side="right")) - 1
+        i = int(self.stream.shard_index(position))
         shard, offset = self.stream.shards[i], position - int(self.stream.starts[i])
         token = int(self.stream.read(position, position + 1)[0])
-        raise DataError(f"{self.where}: token {offset:,} of shard {shard.path} is id {token}, but model.vocab_size="
-                        f"{self.vocab_size} (its sidecar says vocab_size {shard.vocab_size}), so the shard is "
-                        f"corrupt or from another tokenizer; re-create it ({_PREPARE_HINT}), or set "
-                        f"--model.vocab_size {token + 1} or larger if the ids are right")
+        found = f"{self.where}: token {offset:,} of shard {shard.path} is id {token}"
+        if token >= shard.vocab_size:
+            raise DataError(f"{found}, but its sidecar {shard.path.with_suffix('.json').name} says vocab_size "
+                            f"{shard.vocab_size}, so the shard is corrupt or its sidecar wrong; re-create it "
+                            f"({_PREPARE_HINT}), or, if the ids are right, set vocab_size {token + 1} or more there")
+        raise DataError(f"{found}, but model.vocab_size={self.vocab_size} (its sidecar says vocab_size "
+                        f"{shard.vocab_size}), so the shard is corrupt or from another tokenizer; re-create it "
+                        f"({_PREPARE_HINT}), or set --model.vocab_size {token + 1} or larger if the ids are right")
 
     def __getitem__(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.window(self.order(g))
@@ -575,7 +612,10 @@ def _hf_encoder(path: str) -> _Encoder:
         ids = tokenizer.encode(doc.decode("utf-8"), add_special_tokens=False).ids
         return np.array(ids, dtype=np.uint32)
 
-    return _Encoder(str(Path(path).resolve()), tokenizer.get_vocab_size(with_added_tokens=True), eos, encode)
+    # The largest id + 1, not get_vocab_size()'s count of tokens: ids can have holes (a trimmed vocabulary, special
+    # tokens pinned high), and a count that understates them picks uint16 for ids that need uint32.
+    vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+    return _Encoder(str(Path(path).resolve()), vocab_size, eos, encode)
 
 
 class _ShardWriter:

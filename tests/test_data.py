@@ -270,8 +270,21 @@ def test_a_shard_cut_short_during_the_run_is_named(tmp_path):
         dataset.window(dataset.num_samples - 1)
 
 
+@pytest.mark.parametrize("how,reason", [("removed", "No such file or directory"), ("replaced", "Is a directory")])
+def test_a_shard_removed_or_unreadable_during_the_run_is_named(tmp_path, how, reason):
+    """A cleanup job or a re-sync after start-up: the trainer's one-line error, not a worker's traceback."""
+    write_arange_shards(tmp_path, 100, sizes=(50,))
+    dataset = build_dataset(tokens_cfg(tmp_path), SEQ_LEN, VOCAB)
+    (tmp_path / "part_01.bin").unlink()
+    if how == "replaced":  # opens, then fails to read
+        (tmp_path / "part_01.bin").mkdir()
+    with pytest.raises(DataError, match=f"cannot read shard {tmp_path / 'part_01.bin'} \\({reason}\\): it was removed "
+                                        "or made unreadable after start-up; restore it and resume"):
+        dataset.window(dataset.num_samples - 1)
+
+
 def test_stream_pickles_without_its_data(tmp_path):
-    write_arange_shards(tmp_path, 50_000, sizes=(20_000,))
+    write_arange_shards(tmp_path, 50_000, sizes=(20_000,), vocab_size=50_000)
     stream = load_shards(str(tmp_path))
     stream.read(0, 50_000)
     assert len(pickle.dumps(stream)) < 5_000  # a pickled memmap would carry all 100 kB of tokens
@@ -568,6 +581,34 @@ def test_broken_shards_are_refused(tmp_path, how, message):
         build_dataset(tokens_cfg(tmp_path), SEQ_LEN, VOCAB)
 
 
+def test_an_unreadable_sidecar_is_refused_with_the_fix(tmp_path, monkeypatch):
+    """Like an unreadable shard: a one-line ConfigError, not a traceback on every rank. Root, who runs the tests,
+    can read any file, so the read is made to fail as it does for a user without read permission."""
+    write_arange_shards(tmp_path, 100, sizes=(50,))
+    sidecar, real_read_text = tmp_path / "part_01.json", Path.read_text
+
+    def read_text(path, *args, **kwargs):
+        if path == sidecar:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    message = f"data.path={tmp_path}: cannot read sidecar {sidecar} \\(Permission denied\\); make it readable, or re-"
+    with pytest.raises(ConfigError, match=message):
+        build_dataset(tokens_cfg(tmp_path), SEQ_LEN, VOCAB)
+
+
+def test_a_uint16_sidecar_of_a_larger_vocabulary_is_refused(tmp_path):
+    """Converted Llama-3 ids stored as uint32 under a hand-written uint16 sidecar pass the size check, and would be
+    read as pairs of small ids, all inside the vocabulary."""
+    write_shard(tmp_path / "llama3.bin", np.array([128000, 791, 4062]), 128256, "llama3")
+    (tmp_path / "llama3.json").write_text(json.dumps({"dtype": "uint16", "num_tokens": 6, "vocab_size": 128256,
+                                                      "tokenizer": "llama3"}))
+    with pytest.raises(ConfigError, match="sidecar llama3.json says dtype uint16, which cannot hold the ids of its "
+                                          "vocab_size 128256; re-create it .* set \"dtype\": \"uint32\""):
+        build_dataset(tokens_cfg(tmp_path), 2, 128256)
+
+
 def test_setting_errors_name_the_field(tmp_path):
     def error(cfg, seq_len=SEQ_LEN, vocab_size=VOCAB) -> str:
         with pytest.raises(ConfigError) as info:
@@ -611,14 +652,21 @@ def test_stdlib_needs_257_tokens(real_stdlib_cache):
         build_dataset(DataConfig(source="stdlib", cache_dir=real_stdlib_cache), 256, 256)
 
 
+def write_false_shard(bin_path: Path, tokens: np.ndarray, vocab_size: int) -> None:
+    """A uint16 byte shard whose sidecar says vocab_size, whatever its ids: write_shard refuses to write one."""
+    write_shard(bin_path, tokens, 2**16, "bytes")
+    meta = json.loads(bin_path.with_suffix(".json").read_text())
+    bin_path.with_suffix(".json").write_text(json.dumps({**meta, "vocab_size": vocab_size}))
+
+
 def write_bad_token_shards(folder: Path) -> None:
     """One sample of SEQ_LEN + 1 byte tokens over two shards, whose sidecars say vocab 257, with id 60000 at token 2
     of the second shard: the sidecars pass the start-up check, the contents do not."""
     tokens = np.arange(SEQ_LEN + 1)
     tokens[6] = 60000
     folder.mkdir()
-    write_shard(folder / "a.bin", tokens[:4], 257, "bytes")
-    write_shard(folder / "b.bin", tokens[4:], 257, "bytes")
+    write_false_shard(folder / "a.bin", tokens[:4], 257)
+    write_false_shard(folder / "b.bin", tokens[4:], 257)
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
@@ -636,9 +684,42 @@ def test_token_ids_past_the_vocabulary_are_refused_when_read(tmp_path, num_worke
         stop_workers(batches)
     message = str(info.value)  # just the message, also when a worker raised it
     assert message.startswith(f"data.path={tmp_path / 'bad'}: token 2 of shard {tmp_path / 'bad' / 'b.bin'} is id "
-                              "60000, but model.vocab_size=257")
-    assert "python -m fsdp_trainer.data prepare" in message and "--model.vocab_size 60001" in message
+                              "60000, but its sidecar b.json says vocab_size 257")
+    assert "python -m fsdp_trainer.data prepare" in message and "set vocab_size 60001 or more there" in message
     assert "Traceback" not in message
+
+
+def test_ids_are_checked_against_their_shard_s_vocabulary_and_the_model_s(tmp_path):
+    """The smaller bound counts, and the error says which one an id crossed: the sidecar's (the shard is corrupt, a
+    larger model would not help) or the model's (a larger one would, if the ids are right)."""
+    tokens = np.arange(SEQ_LEN + 1)
+    tokens[5] = 300
+    write_false_shard(tmp_path / "a.bin", tokens, 257)
+    dataset = build_dataset(tokens_cfg(tmp_path), SEQ_LEN, 512)  # byte data on the debug model's vocabulary
+    with pytest.raises(DataError, match="token 5 of shard .*a.bin is id 300, but its sidecar a.json says vocab_size "
+                                        "257, so the shard is corrupt or its sidecar wrong; re-create it"):
+        dataset.window(0)
+
+    write_false_shard(tmp_path / "a.bin", tokens, 400)
+    stream = load_shards(str(tmp_path))
+    with pytest.raises(DataError, match="token 5 of shard .*a.bin is id 300, but model.vocab_size=257 \\(its sidecar "
+                                        "says vocab_size 400\\).* --model.vocab_size 301 or larger"):
+        data.TokenWindows(stream, SEQ_LEN, 0, 257).window(0)  # build_dataset refuses a sidecar above the model
+    assert data.TokenWindows(stream, SEQ_LEN, 0, 400).window(0)[0].tolist() == tokens[:-1].tolist()
+
+
+def test_write_shard_refuses_ids_outside_the_vocabulary(tmp_path):
+    """An id that its dtype cannot hold would be stored wrapped (70000 as 4464 in uint16) in a shard that passes
+    every later check; one the sidecar leaves out, or a negative one, is no better."""
+    for tokens, vocab_size, message in (
+            ([0, 70000], 5, "token id 70000 is not in \\[0, vocab_size=5\\), so the uint16 shard .*; pass vocab_size "
+                            "70001 or more"),
+            ([0, 300], 257, "token id 300 is not in \\[0, vocab_size=257\\)"),
+            ([70000], 70000, "token id 70000 is not in \\[0, vocab_size=70000\\), so the uint32 shard"),
+            ([-1, 3], 257, "token id -1 is not in .*; pass the tokenizer's ids unchanged")):
+        with pytest.raises(ValueError, match=message):
+            write_shard(tmp_path / "s.bin", np.array(tokens), vocab_size, "bytes")
+        assert not list(tmp_path.iterdir())
 
 
 def test_a_loader_left_running_does_not_hang_the_exit(shards):
@@ -698,6 +779,23 @@ def test_prepare_with_a_hugging_face_tokenizer(tmp_path):
     with pytest.raises(ValueError, match=r"latin1.txt: not UTF-8 text .*byte 0xe9.*re-encode it as UTF-8"):
         prepare([str(tmp_path / "latin1.txt")], str(tmp_path / "latin1"), tokenizer=str(tmp_path / "tokenizer.json"),
                 log=lambda *a: None)
+
+
+def test_prepare_takes_the_vocabulary_size_from_the_largest_id(tmp_path):
+    """A tokenizer whose ids have holes (a trimmed vocabulary, a special token pinned high) has fewer tokens than its
+    largest id + 1: a count of 5 picked uint16, and id 70000 was stored as 4464."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"a": 0, "b": 1, "[UNK]": 2, "</s>": 3, "c": 70000}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "doc.txt").write_text("a b c")
+    prepare([str(tmp_path / "doc.txt")], str(tmp_path / "out"), tokenizer=str(tmp_path / "tokenizer.json"),
+            log=lambda *a: None)
+    meta = json.loads((tmp_path / "out" / "shard_00000.json").read_text())
+    assert (meta["vocab_size"], meta["dtype"]) == (70001, "uint32")
+    stream = load_shards(str(tmp_path / "out"))
+    assert stream.read(0, len(stream)).tolist() == [0, 1, 70000]
 
 
 def test_write_atomic_puts_the_data_then_the_name_on_disk_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
