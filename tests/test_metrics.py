@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_trainer.metrics import PhaseTimer
+from fsdp_trainer.metrics import PhaseTimer, _duration
 
 from helpers import run_ranks
 
@@ -131,17 +131,23 @@ def test_tflops_and_mfu_follow_the_tokens_per_second_of_each_window(monkeypatch,
     assert cpu["tflops_per_gpu"] == pytest.approx(31.2) and "mfu" not in cpu
 
 
-def test_a_resumed_run_s_eta_is_its_remaining_steps_at_its_own_pace(monkeypatch, tmp_path):
-    """Resumed at step 10 of 30, 10 steps in 10 s: 10 steps left take 10 s more (the steps before the resume were
-    not timed, and the ones done since are not left to do)."""
+def console_metrics(monkeypatch, tmp_path, total_steps: int):
+    """One rank's Metrics printing into `lines`, on a clock `now` that moves only when told to; no GPU memory."""
     from fsdp_trainer import metrics
 
     now, lines = [100.0], []
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(metrics, "memory_gib", lambda device: {})
     monkeypatch.setattr(metrics, "logger", types.SimpleNamespace(info=lines.append))
-    m = metrics.Metrics(device=torch.device("cpu"), total_steps=30, tokens_per_step=8, world_size=1,
+    m = metrics.Metrics(device=torch.device("cpu"), total_steps=total_steps, tokens_per_step=8, world_size=1,
                         flops_per_token=6, output_dir=tmp_path, tensorboard=False, is_main=True)
+    return m, now, lines
+
+
+def test_a_resumed_run_s_eta_is_its_remaining_steps_at_its_own_pace(monkeypatch, tmp_path):
+    """Resumed at step 10 of 30, 10 steps in 10 s: 10 steps left take 10 s more (the steps before the resume were
+    not timed, and the ones done since are not left to do)."""
+    m, now, lines = console_metrics(monkeypatch, tmp_path, total_steps=30)
     m.start(10)
     now[0] += 10.0
     m.log(20, 1.0, 1.0, 1e-3)
@@ -151,22 +157,15 @@ def test_a_resumed_run_s_eta_is_its_remaining_steps_at_its_own_pace(monkeypatch,
 def test_the_eta_leaves_out_the_first_window_s_one_off_costs(monkeypatch, tmp_path):
     """Step 1 compiles for 120 s, then every step takes 3 s: from the second logged window on, the ETA is the steps
     left at 3 s each, not at the average that the compilation inflates (130 s / 10 steps at step 10, say)."""
-    from fsdp_trainer import metrics
-
-    now, lines = [100.0], []
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
-    monkeypatch.setattr(metrics, "memory_gib", lambda device: {})
-    monkeypatch.setattr(metrics, "logger", types.SimpleNamespace(info=lines.append))
-    m = metrics.Metrics(device=torch.device("cpu"), total_steps=1000, tokens_per_step=8, world_size=1,
-                        flops_per_token=6, output_dir=tmp_path, tensorboard=False, is_main=True)
+    m, now, lines = console_metrics(monkeypatch, tmp_path, total_steps=1000)
     m.start(0)
     now[0] += 120.0 + 9 * 3.0
     m.log(10, 1.0, 1.0, 1e-3)
-    assert lines[-1].endswith(f"eta {metrics._duration(147.0 / 10 * 990)}"), lines  # no other pace known yet
+    assert lines[-1].endswith(f"eta {_duration(147.0 / 10 * 990)}"), lines  # no other pace known yet
     for step in (20, 30):
         now[0] += 10 * 3.0
         m.log(step, 1.0, 1.0, 1e-3)
-        assert lines[-1].endswith(f"eta {metrics._duration(3.0 * (1000 - step))}"), lines
+        assert lines[-1].endswith(f"eta {_duration(3.0 * (1000 - step))}"), lines
 
 
 def phases_over_two_ranks(data_ms: list[float]) -> tuple[dict, list[str]]:
