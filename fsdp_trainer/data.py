@@ -96,6 +96,10 @@ def fsync_folder(path: Path) -> None:
         os.close(folder)
 
 
+# The sidecar key by which write_shard vouches that every id of the shard is below its vocab_size.
+IDS_BOUNDED = "ids_below_vocab_size"
+
+
 def write_shard(bin_path: Path, tokens: np.ndarray, vocab_size: int, tokenizer: str) -> None:
     """Write one shard and its sidecar. The sidecar is written last, so its presence marks a complete shard.
     Raises ValueError for an id outside [0, vocab_size)."""
@@ -110,7 +114,8 @@ def write_shard(bin_path: Path, tokens: np.ndarray, vocab_size: int, tokenizer: 
                          f"shard would hold a wrapped id or one its sidecar rules out; {fix}")
     data = np.ascontiguousarray(tokens, dtype=dtype)
     write_atomic(bin_path, data.tofile)
-    meta = {"dtype": dtype.name, "num_tokens": len(data), "vocab_size": vocab_size, "tokenizer": tokenizer}
+    meta = {"dtype": dtype.name, "num_tokens": len(data), "vocab_size": vocab_size, "tokenizer": tokenizer,
+            IDS_BOUNDED: True}
     write_atomic(bin_path.with_suffix(".json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
 
 
@@ -123,6 +128,7 @@ class Shard:
     num_tokens: int
     vocab_size: int
     tokenizer: str
+    ids_bounded: bool  # its ids were checked below vocab_size when written (IDS_BOUNDED)
 
 
 def _read_sidecar(bin_path: Path, where: str) -> Shard:
@@ -134,6 +140,7 @@ def _read_sidecar(bin_path: Path, where: str) -> Shard:
         meta = json.loads(meta_path.read_text())
         dtype = np.dtype({"uint16": "<u2", "uint32": "<u4"}[meta["dtype"]])
         num_tokens, vocab_size, tokenizer = meta["num_tokens"], meta["vocab_size"], meta["tokenizer"]
+        ids_bounded = meta.get(IDS_BOUNDED) is True
         valid = (isinstance(num_tokens, int) and num_tokens >= 0 and isinstance(vocab_size, int)
                  and vocab_size > 0 and isinstance(tokenizer, str))
     except OSError as err:
@@ -161,7 +168,7 @@ def _read_sidecar(bin_path: Path, where: str) -> Shard:
         raise ConfigError(f"{where}: shard {bin_path.name} has {size} bytes but its sidecar promises {num_tokens} "
                           f"{dtype.name} tokens ({num_tokens * dtype.itemsize} bytes), so one of them is truncated "
                           f"or stale; {fix}")
-    return Shard(bin_path, dtype, num_tokens, vocab_size, tokenizer)
+    return Shard(bin_path, dtype, num_tokens, vocab_size, tokenizer, ids_bounded)
 
 
 class TokenStream:
@@ -337,7 +344,10 @@ class TokenWindows(Dataset):
         self.order = SampleOrder(self.num_samples, seed)
         # An id at or past its shard's own vocab_size is corrupt even where the embedding is larger (byte data
         # holding id 300 would train silently on a model of 512).
-        self.id_limits = np.minimum([s.vocab_size for s in stream.shards], vocab_size)
+        # Only where the sidecar vouches for it: before IDS_BOUNDED, prepare --tokenizer recorded a tokenizer's count
+        # of tokens, which a valid id past a hole in its ids exceeds.
+        self.id_limits = np.minimum([s.vocab_size if s.ids_bounded else vocab_size for s in stream.shards],
+                                    vocab_size)
 
     def window(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample k itself: tokens[k*seq_len : k*seq_len + seq_len + 1], split into inputs and labels."""

@@ -270,7 +270,9 @@ def _listed_groups(groups) -> list[list[nn.Module]]:
         raise TypeError(f"groups is of type {type(groups).__name__}: {form}")
     listed = []
     for group in groups:
-        if isinstance(group, nn.Module) or not isinstance(group, Iterable):
+        # A ModuleList has no forward of its own to mistake for the unit: it is a list of modules. Any other module
+        # given as a group (a Sequential, a block) would be listed child by child, unsaid.
+        if (isinstance(group, nn.Module) and not isinstance(group, nn.ModuleList)) or not isinstance(group, Iterable):
             raise TypeError(f"groups holds an item of type {type(group).__name__} where a list of modules belongs: "
                             f"{form}")
         group = list(group)

@@ -86,7 +86,8 @@ def test_prepare_round_trip(tmp_path, capsys):
     assert stream.read(0, len(stream)).tolist() == expected
     assert len(expected) == 28 and [s.num_tokens for s in stream.shards] == [7, 7, 7, 7]
     meta = json.loads((tmp_path / "out" / "shard_00000.json").read_text())
-    assert meta == {"dtype": "uint16", "num_tokens": 7, "vocab_size": 257, "tokenizer": "bytes"}
+    assert meta == {"dtype": "uint16", "num_tokens": 7, "vocab_size": 257, "tokenizer": "bytes",
+                    data.IDS_BOUNDED: True}
     assert not list((tmp_path / "out").glob(".*"))  # every temporary file was renamed into place
     assert not (tmp_path / "out" / UNFINISHED).exists()
     assert f"{len(expected):,} tokens" in capsys.readouterr().out
@@ -706,6 +707,19 @@ def test_ids_are_checked_against_their_shard_s_vocabulary_and_the_model_s(tmp_pa
                                         "says vocab_size 400\\).* --model.vocab_size 301 or larger"):
         data.TokenWindows(stream, SEQ_LEN, 0, 257).window(0)  # build_dataset refuses a sidecar above the model
     assert data.TokenWindows(stream, SEQ_LEN, 0, 400).window(0)[0].tolist() == tokens[:-1].tolist()
+
+
+def test_a_sidecar_from_before_the_id_bound_still_reads_ids_past_its_vocab_size(tmp_path):
+    """prepare --tokenizer used to record a tokenizer's count of tokens as vocab_size, which a valid id past a hole
+    in its ids exceeds (4 tokens, the largest id 9): such a sidecar, without IDS_BOUNDED, is held to the model's
+    vocabulary only, as before, not refused hours into a run."""
+    tokens = np.arange(SEQ_LEN + 1) % 4
+    tokens[3] = 9
+    write_false_shard(tmp_path / "a.bin", tokens, 4)
+    meta = json.loads((tmp_path / "a.json").read_text())
+    del meta[data.IDS_BOUNDED]
+    (tmp_path / "a.json").write_text(json.dumps(meta))
+    assert build_dataset(tokens_cfg(tmp_path), SEQ_LEN, 512).window(0)[0].tolist() == tokens[:-1].tolist()
 
 
 def test_write_shard_refuses_ids_outside_the_vocabulary(tmp_path):

@@ -528,6 +528,14 @@ def test_groups_in_another_form_than_lists_of_modules_are_refused_showing_the_fo
         apply_fsdp(model, None, block_types=(AttentionBlock,), groups=groups(model))
 
 
+def test_a_group_given_as_a_module_list_is_its_modules():
+    from fsdp_trainer import parallelize
+
+    with torch.device("meta"):
+        model = TiedLM()
+    assert parallelize._listed_groups([nn.ModuleList([model.norm])]) == [[model.norm]]
+
+
 @pytest.mark.parametrize("block_types,message", [
     ((TiedLM,), "^block_types includes TiedLM, the model's own class, but the model is the root unit, sharded last "
                 "with whatever no block holds: pass the class of its repeated blocks$"),
