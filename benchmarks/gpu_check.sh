@@ -20,6 +20,8 @@
 #                default, parallel.grads_in_compute_pool) beside FSDP2's own allocation on its reduce-scatter stream
 #   autotune     8B compiled per-op AC: Inductor's GEMM autotuning, and its coordinate-descent tuning of the fused
 #                kernels, each beside the baseline (long compiles: a part of its own)
+#   copy_engines 8B, eager and compiled per-op AC, compiled full and no AC, micro-batch 2: the all-gathers on the
+#                copy engines (the default, parallel.copy_engine_all_gather) beside FSDP2's own all-gather
 #   clocks       8B compiled, no/per-op/full AC: SM clock and power of every GPU, sampled by nvidia-smi every 100 ms
 #                while it is busy, beside each run's rate (results/.../clocks_llama3_8b.txt): is the step power-bound?
 #   profile      8B per-op AC, eager and compiled: the profiler's per-step breakdown (matmul, attention,
@@ -42,7 +44,7 @@ trap 'failed+=("${PART:-setup} (line $LINENO)")' ERR
 NGPU=${1:?usage: gpu_check.sh NGPU PART [PART ...]}
 shift
 [ $# -gt 0 ] || { echo "usage: gpu_check.sh NGPU PART [PART ...]"; exit 2; }
-PARTS="tests collectives small 8b levers keep card pool autotune clocks profile checkpoint plan capped"
+PARTS="tests collectives small 8b levers keep card pool autotune copy_engines clocks profile checkpoint plan capped"
 for part in "$@"; do  # all before any: a typo in the last part must not wait for the GPU time of the others
   [[ " $PARTS " == *" $part "* ]] || { echo "unknown part: $part (the parts: $PARTS)"; exit 2; }
 done
@@ -124,6 +126,14 @@ for PART in "$@"; do
         --variant "$COMPILED_OP" \
         --variant "$(env_lever "$COMPILED_OP" "GEMM autotuning" "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1")" \
         --variant "$(env_lever "$COMPILED_OP" "coordinate descent" "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1")" ;;
+    copy_engines)
+      fsdp2="--parallel.no_copy_engine_all_gather"
+      variants=()
+      for v in "$EAGER_OP" "$COMPILED_OP" "$COMPILED_FULL" "$COMPILED_NONE" "compiled opAC mb2=--ac.mode op --train.micro_batch_size 2"; do
+        variants+=(--variant "$v" --variant "$(lever "$v" "FSDP2 all-gather" "$fsdp2")")
+      done
+      throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b_copy_engines \
+        "${variants[@]}" ;;
     clocks)
       log=$(results_file clocks_llama3_8b.txt)
       { results_header bash benchmarks/gpu_check.sh "$NGPU" clocks

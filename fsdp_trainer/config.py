@@ -175,6 +175,12 @@ class ParallelConfig:
     (4 bytes per local parameter of reserved memory beyond the peak). Applies where it is safe without extra
     synchronization: GPUs, FSDP without HSDP, float32 reduce_dtype, no CPU offload, and grad_accum_steps 1 or
     defer_grad_sync; elsewhere FSDP2's own allocation is used."""
+    copy_engine_all_gather: bool = True
+    """Run FSDP2's all-gathers on the GPUs' copy engines instead of NCCL kernels that take SMs from the compute: the
+    all-gather outputs live in NCCL symmetric memory and NCCL's zero-CTA policy (NCCL_CTA_POLICY=2, unless set)
+    copies them. The 8B on 4 H200s ran 2.0-2.2% faster, compiled without AC and with per-op AC, for 0.8-0.9 GiB
+    more reserved. Applies where every rank is on one host, with NCCL 2.28 or later and dp_shard > 1; elsewhere
+    FSDP2's own all-gather runs."""
 
 
 @dataclass

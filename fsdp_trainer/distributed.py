@@ -48,6 +48,13 @@ def launched_rank_and_world_size() -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def copy_engines_can_all_gather(world_size: int) -> bool:
+    """Whether NCCL can run FSDP2's all-gathers on the copy engines (parallel.copy_engine_all_gather): every rank on
+    this host, whose GPUs the engines copy between, and NCCL 2.28 or later, whose zero-CTA policy uses them."""
+    return (torch.cuda.is_available() and 1 < world_size == int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            and torch.cuda.nccl.version() >= (2, 28))
+
+
 def init(timeout_s: float = 600.0, cpu_collectives: bool = False) -> DistInfo:
     """Start (or join) the default process group: NCCL with one GPU per rank, else gloo on CPU.
 

@@ -27,10 +27,12 @@ from typing import Iterable, Sequence, get_args
 import torch
 from torch import nn
 import torch.distributed as dist
+# Alpha in torch 2.11, and what FSDP2's own set_symm_mem_for_comm (torch 2.13) uses.
+from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 # The interface FSDPModule.set_custom_reduce_scatter takes; torch.distributed.fsdp does not re-export it.
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -156,11 +158,30 @@ class ComputePoolReduceScatter(ReduceScatter):
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
+class SymmetricMemoryAllGather(AllGather):
+    """FSDP2's all-gather with its output in NCCL symmetric memory, registered with the group's communicator, so
+    that NCCL may use its symmetric-memory all-gather: on one host with the zero-CTA policy (NCCL_CTA_POLICY=2), a
+    copy-engine transfer that leaves every SM to the compute. The pool hands the same blocks back step after step."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        symm_mem.set_backend("NCCL")
+        dist.barrier(group=group)  # the group's NCCL communicator must exist before the first rendezvous
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        symm_mem.rendezvous(output_tensor, group=group.group_name)
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type],
                groups: Iterable[Sequence[nn.Module]] = (),
                param_dtype: torch.dtype = torch.bfloat16, reduce_dtype: torch.dtype = torch.float32,
                reshard_after_forward: ReshardPolicy = "default", keep_gathered: int = 0, prefetch: int = 1,
-               cpu_offload: bool = False, grads_in_compute_pool: bool = False) -> None:
+               cpu_offload: bool = False, grads_in_compute_pool: bool = False,
+               symmetric_memory_all_gather: bool = False) -> None:
     """`fully_shard` each block, then each extra group of modules, then the root.
 
     `groups` are modules outside the blocks that deserve their own all-gather (for Llama: the embedding;
@@ -172,7 +193,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     schedule of one ahead).
     `grads_in_compute_pool` lets the sharded gradients and the activations share memory (CUDA). It is refused
     where it would be unsafe (`ComputePoolReduceScatter`): here for a 2-D mesh, CPU offload or a reduction that is
-    not float32; during backward if a reduce-scatter would add into existing gradients."""
+    not float32; during backward if a reduce-scatter would add into existing gradients.
+    `symmetric_memory_all_gather` all-gathers into NCCL symmetric memory (`SymmetricMemoryAllGather`; CUDA, with
+    dp_shard > 1)."""
     _check_choice("reshard_after_forward", reshard_after_forward, ReshardPolicy)
     if grads_in_compute_pool and (mesh.ndim != 1 or cpu_offload or reduce_dtype != torch.float32):
         raise ValueError("grads_in_compute_pool needs a 1-D mesh, float32 reduction and no CPU offload: the sharded "
@@ -196,6 +219,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     for group in groups:
         shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard(group[0] is last))
     shard(model)
+    if symmetric_memory_all_gather and mesh.device_type == "cuda" and mesh.size(-1) > 1:
+        all_gather = SymmetricMemoryAllGather(mesh.get_group(mesh.ndim - 1))
+        for module, _ in _units(model).values():
+            module.set_custom_all_gather(all_gather)
     if grads_in_compute_pool and mesh.device_type == "cuda":  # one memory pool per device elsewhere
         _pool_gradients(model, torch.cuda.current_stream())
     if prefetch > 1:
@@ -321,7 +348,13 @@ def _pool_gradients(model: nn.Module, compute_stream: torch.cuda.Stream) -> None
     The modules sharded in one call (Llama's final norm and output projection; a tied embedding and head) share
     one FSDP state, and so one reduce-scatter, which set_custom_reduce_scatter on any of them replaces: one
     installed per module would leave the last one's, whose guard is blind to the other modules' gradients."""
-    # FSDP state (FSDPModule has no public name for the one its modules share) -> (one of its modules, its params)
+    for module, params in _units(model).values():
+        module.set_custom_reduce_scatter(ComputePoolReduceScatter(compute_stream, params))
+
+
+def _units(model: nn.Module) -> dict[object, tuple[FSDPModule, list[nn.Parameter]]]:
+    """Each fully_shard call's FSDP state (FSDPModule has no public name for the one its modules share) -> one of
+    its modules and the parameters it manages."""
     owned: dict[object, tuple[FSDPModule, list[nn.Parameter]]] = {}
     claimed: set[int] = set()
     # Innermost first: model.modules() lists a module before its children, so reversed lists children first.
@@ -330,8 +363,7 @@ def _pool_gradients(model: nn.Module, compute_stream: torch.cuda.Stream) -> None
             _, params = owned.setdefault(module._get_fsdp_state(), (module, []))
             params += [p for p in module.parameters() if id(p) not in claimed]
             claimed.update(id(p) for p in params)
-    for module, params in owned.values():
-        module.set_custom_reduce_scatter(ComputePoolReduceScatter(compute_stream, params))
+    return owned
 
 
 @torch.no_grad()

@@ -65,6 +65,13 @@ from fsdp_trainer.profiling import OPTIMIZER_RANGE, StepProfiler
 ModelFn = Callable[[Config], tuple[nn.Module, Sequence[type], Sequence[Sequence[nn.Module]]]]
 
 
+def copy_engines_all_gather(cfg: Config, world_size: int) -> bool:
+    """Whether parallel.copy_engine_all_gather applies: the all-gathers in NCCL symmetric memory, which NCCL copies
+    with the copy engines under NCCL_CTA_POLICY=2 (set by main unless the environment has it)."""
+    return (cfg.parallel.copy_engine_all_gather and mesh_shape(cfg.parallel, world_size)[1] > 1
+            and distributed.copy_engines_can_all_gather(world_size))
+
+
 def build_model(cfg: Config, mesh, device: torch.device, model_fn: Optional[ModelFn] = None):
     """Llama (or model_fn's model) on the meta device -> AC -> compile -> FSDP per block -> materialized and
     initialized. Returns the model and its Llama ModelArgs (None for model_fn's)."""
@@ -98,7 +105,8 @@ def build_model(cfg: Config, mesh, device: torch.device, model_fn: Optional[Mode
                param_dtype=DTYPES[resolve_param_dtype(p.param_dtype, device.type)],
                reduce_dtype=DTYPES[p.reduce_dtype], reshard_after_forward=p.reshard_after_forward,
                keep_gathered=p.keep_gathered, prefetch=p.prefetch, cpu_offload=p.cpu_offload,
-               grads_in_compute_pool=grads_in_compute_pool(p, cfg.train.grad_accum_steps))
+               grads_in_compute_pool=grads_in_compute_pool(p, cfg.train.grad_accum_steps),
+               symmetric_memory_all_gather=device.type == "cuda" and copy_engines_all_gather(cfg, mesh.size()))
     # A model built eagerly holds its weights already (fully_shard moved them to the mesh's device).
     if any(param.is_meta for param in model.parameters()):
         init_weights(model, device, seed=cfg.train.seed, offload=p.cpu_offload)
@@ -223,9 +231,12 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
         if info.is_main:
             write_run_info(output_dir, to_toml(cfg), environment(device, info.world_size, mesh.mesh.shape))
             name = cfg.model.name if args is not None else model_class(model).__name__
+            all_gather = (f" | all-gathers in NCCL symmetric memory, NCCL_CTA_POLICY="
+                          f"{os.environ.get('NCCL_CTA_POLICY', 'unset')}" if copy_engines_all_gather(cfg, info.world_size)
+                          else "")
             logger.info(f"model {name}: {num_params / 1e6:,.1f}M parameters | mesh "
                         f"{dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))} | {param_dtype} compute | "
-                        f"global batch {global_batch} x {t.seq_len} tokens | ac {cfg.ac.mode}")
+                        f"global batch {global_batch} x {t.seq_len} tokens | ac {cfg.ac.mode}{all_gather}")
         metrics = Metrics(device=device, total_steps=t.steps, tokens_per_step=global_batch * t.seq_len,
                           world_size=info.world_size, output_dir=output_dir, is_main=info.is_main,
                           flops_per_token=flops_per_token(model, args, t.seq_len, num_params),
@@ -451,6 +462,8 @@ def main(argv=None, model_fn: Optional[ModelFn] = None) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
     if cfg.dist.flight_recorder and torch.cuda.is_available():
         enable_flight_recorder(Path(cfg.train.output_dir))
+    if copy_engines_all_gather(cfg, world_size):
+        os.environ.setdefault("NCCL_CTA_POLICY", "2")  # read when NCCL creates the communicator, in init
     info = distributed.init(cfg.dist.init_timeout_s, cpu_collectives=cfg.parallel.cpu_offload)
     try:
         run(cfg, info, memory_plan, signals, dataset, model_fn)

@@ -164,25 +164,38 @@ def test_gradients_in_the_compute_pool_train_identically_and_live_on_the_compute
     assert pooled_streams == {default_stream} and default_stream not in side_streams
 
 
+def _two_gpu_run(out, flag: str) -> tuple[list[float], str]:
+    """8 deterministic steps of a 4-block 1B on two GPUs with one --parallel flag: the losses and the log."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
+                           "fsdp_trainer.train", "--model.name", "1b", "--model.n_layers", "4", "--train.seq_len", "2048",
+                           "--train.micro_batch_size", "2", "--train.steps", "8", "--train.log_every", "1",
+                           "--train.deterministic", "--data.source", "synthetic", "--train.output_dir", str(out),
+                           "--checkpoint.interval", "0", "--checkpoint.no_save_final", "--metrics.no_tensorboard",
+                           f"--parallel.{flag}"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()], proc.stderr
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gradients_in_the_compute_pool_train_identically_on_two_gpus(tmp_path):
     """The same, sharded over two GPUs with NCCL, on blocks large enough for the CPU to run ahead of the GPU:
     a gradient block lent out again before the reduce-scatter wrote it would change the losses."""
-    import subprocess
-    import sys
+    pooled, _ = _two_gpu_run(tmp_path / "pooled", "grads_in_compute_pool")
+    assert len(pooled) == 8 and pooled == _two_gpu_run(tmp_path / "apart", "no_grads_in_compute_pool")[0]
 
-    def losses(flag: str) -> list[float]:
-        out = tmp_path / flag
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "fsdp_trainer.train",
-                        "--model.name", "1b", "--model.n_layers", "4", "--train.seq_len", "2048",
-                        "--train.micro_batch_size", "2", "--train.steps", "8", "--train.log_every", "1",
-                        "--train.deterministic", "--data.source", "synthetic", "--train.output_dir", str(out),
-                        "--checkpoint.interval", "0", "--checkpoint.no_save_final", "--metrics.no_tensorboard",
-                        f"--parallel.{flag}"], check=True, timeout=600)
-        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
-    pooled = losses("grads_in_compute_pool")
-    assert len(pooled) == 8 and pooled == losses("no_grads_in_compute_pool")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_all_gathers_on_the_copy_engines_train_identically_on_two_gpus(tmp_path):
+    """parallel.copy_engine_all_gather: the all-gathers into NCCL symmetric memory under NCCL's zero-CTA policy
+    give FSDP2's own all-gather's losses, bit for bit."""
+    engines, log = _two_gpu_run(tmp_path / "engines", "copy_engine_all_gather")
+    assert "all-gathers in NCCL symmetric memory, NCCL_CTA_POLICY=2" in log
+    kernels, log = _two_gpu_run(tmp_path / "kernels", "no_copy_engine_all_gather")
+    assert "symmetric memory" not in log
+    assert len(engines) == 8 and engines == kernels
 
 
 def test_gradients_in_the_compute_pool_refuse_accumulation_with_sync_on_every_micro_batch(info):

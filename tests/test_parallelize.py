@@ -669,3 +669,27 @@ def test_apply_fsdp_refuses_a_model_built_in_16_bits_before_sharding(monkeypatch
     model = build(ARGS, device="meta").to(dtype).requires_grad_(False)
     model.output.float().requires_grad_(True)
     apply_fsdp(model, None, block_types=(TransformerBlock,))
+
+
+@pytest.mark.parametrize("world,local,nccl,dp_replicate,applies", [
+    (4, "4", (2, 28, 9), 1, True),
+    (8, "4", (2, 28, 9), 1, False),  # two hosts: no copy engine reaches the other one
+    (4, None, (2, 28, 9), 1, False),  # no launcher said the ranks share a host
+    (4, "4", (2, 27, 7), 1, False),  # before NCCL's zero-CTA policy
+    (1, "1", (2, 28, 9), 1, False),  # nothing to gather
+    (4, "4", (2, 28, 9), 4, False),  # dp_shard 1: replicas only
+])
+def test_the_copy_engines_all_gather_only_on_one_host_with_nccl_2_28_and_shards_to_gather(
+        monkeypatch, world, local, nccl, dp_replicate, applies):
+    from fsdp_trainer import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: nccl)
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    cfg = parse_args([*TINY_FLAGS, "--parallel.dp_replicate", str(dp_replicate)])
+    assert train.copy_engines_all_gather(cfg, world) is applies
+    cfg.parallel.copy_engine_all_gather = False
+    assert not train.copy_engines_all_gather(cfg, world)
