@@ -31,7 +31,9 @@ The model of memory, per GPU, in the steady state (step 2 on, once AdamW's state
   - Then what the caching allocator reserves beyond that peak (`_reserved`). It lends a stream's freed memory to
     that stream only, and FSDP2 allocates the all-gather outputs on its all-gather stream. Reserved = the compute
     stream's largest moment plus fragmentation, plus the all-gather stream's buffers (none at dp_shard 1, where
-    FSDP2 casts each group on the compute stream when it is used). Under CPU offload, the reduce-scatter stream
+    FSDP2 casts each group on the compute stream when it is used), or, with the all-gathers on the copy engines
+    (parallel.copy_engine_all_gather), NCCL's symmetric memory pool, where the groups outside the blocks do not
+    share memory. Under CPU offload, the reduce-scatter stream
     keeps the block of the largest group's float32 output, freed there after its copy to the host. Where FSDP2
     also allocates the sharded gradients on its reduce-scatter stream (parallel.grads_in_compute_pool off or not
     applicable), what zero_grad frees stays reserved for the next gradients, out of the activations' reach: the
@@ -49,7 +51,8 @@ compiled loss holds the logits and their param_dtype gradient, no float32 buffer
 chunked loss and two-block prefetch were checked on two H200s (within 2%). The reserved estimate was checked against
 torch.cuda.max_memory_reserved() of the full 8B on four H200s, compiled and eager, AC none/op/full, micro-batch 1
 and 2, reshard never and keep_gathered, and the 8.5B with full AC: -1% to +4% with the gradients apart or in the
-compute pool. CPU offload was checked on one H100, eager: the 8B shape cut to 4 layers without AC and with full
+compute pool and FSDP2's all-gather; with the copy engines' all-gather, compiled per-op and no AC, +1.1% and +1.2%
+(eager, full AC and micro-batch 2 within -1% to +4% too: benchmarks/results/2026-11-28-H200x4). CPU offload was checked on one H100, eager: the 8B shape cut to 4 layers without AC and with full
 AC, and the 1B without AC at micro-batch 2, within 0.4% each (the peak is at the loss's backward, where no shard is
 being copied in from the host: FSDP2 copies a parameter's float32 shard to the GPU inside a group's all-gather,
 casts it to param_dtype and frees it before the all-gather output exists, and no moment planned is inside an
@@ -681,7 +684,8 @@ def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], moments: dict[str
         others = [s.gathered_bytes(g) for g in s.groups if g.role != "block"]
         block = max(s.gathered_bytes(g) for g in s.groups if g.role == "block")
         # In NCCL's symmetric memory pool, the groups outside the blocks did not share memory: on 4 H200s the 8B
-        # reserved 0.8-0.9 GiB more than with FSDP2's all-gather (benchmarks/README.md); this adds 0.98 GiB.
+        # reserved 0.885 GiB more in every AC mode than with FSDP2's all-gather (benchmarks/README.md); this
+        # adds 0.98 GiB.
         if s.symmetric_all_gather:
             rows.append(Row("all-gather symmetric memory pool", sum(others) + s.prefetch * block,
                             "every gathered group outside the blocks + the blocks gathered ahead"))

@@ -679,11 +679,14 @@ H200X4_RESERVED_APART = [
 ]
 
 
-# The same machine's runs with the all-gathers on the copy engines, the default, beside FSDP2's all-gather
-# (2026-11-28-H200x4/llama3_8b_symm_mem.json: 0.885 GiB more in both).
+# With the all-gathers on the copy engines, the default (2026-11-28-H200x4/llama3_8b_copy_engines.json: each 0.885
+# GiB more than with FSDP2's all-gather beside it).
 H200X4_RESERVED_COPY_ENGINES = [
-    (["--ac.mode", "op"], 56.563),
+    (["--ac.mode", "op"], 56.562),
     (["--ac.mode", "none"], 67.541),
+    (["--ac.mode", "full"], 40.498),
+    (["--ac.mode", "op", "--parallel.no_compile"], 65.938),
+    (["--ac.mode", "op", "--train.micro_batch_size", "2"], 81.982),
 ]
 
 
