@@ -113,6 +113,11 @@ HOST_ADAMW_BW = 10e9
 GATHER_COPY_SECONDS_PER_BYTE = 1.3e-3 / GiB
 """Compute-stream time of FSDP2's copies per all-gathered byte: 32 fewer re-gathers of the 8B's blocks (13.6 GiB
 per step) made a 4 x H200 step 18 ms shorter (benchmarks/README.md, keeping blocks gathered)."""
+NCCL_ALL_GATHER_SECONDS_PER_BYTE = 0.62e-3 / GiB
+"""Compute time NCCL's all-gather kernels take from the step, per all-gathered byte, where the copy engines do not
+run the all-gathers (parallel.copy_engine_all_gather): the 8B's forward+backward on 4 x H200 took 17-19 ms longer
+with FSDP2's all-gather, 28.9 GiB gathered per step, in every AC mode at micro-batch 1 (9 ms at micro-batch 2;
+benchmarks/README.md)."""
 OP_AC_RECOMPUTE = {"compiled": 0.01, "eager": 0.028}
 """Per-op AC recomputes only elementwise work (norms, RoPE, SiLU), no matmuls; Inductor fuses it into neighbouring
 kernels, eager runs each op on its own. Extra time per token against no AC, 8B on 4 H200s
@@ -484,7 +489,8 @@ def _step_seconds(s: _Setup) -> float:
         copies = 4 * shard * (s.accum * (numel + resharded) / numel + reduces)  # float32 shards in, gradients out
         # AdamW reads parameter, gradient and both moments and writes back three of them: 28 bytes per element.
         offload = copies / PCIE_BW + 28 * shard / HOST_ADAMW_BW
-    return max(compute, comm) + gathered * GATHER_COPY_SECONDS_PER_BYTE + offload
+    kernels = 0.0 if s.symmetric_all_gather or s.shard == 1 else gathered * NCCL_ALL_GATHER_SECONDS_PER_BYTE
+    return max(compute, comm) + gathered * GATHER_COPY_SECONDS_PER_BYTE + kernels + offload
 
 
 def _host_bytes_per_node(s: _Setup) -> int:
@@ -814,6 +820,7 @@ def _knobs(cfg: Config) -> list[list[dict[str, Any]]]:
         # back to the defaults: the pool costs no time, nor did prefetching 2 blocks ahead gain any (benchmarks/README)
         [{"parallel.grads_in_compute_pool": True}] if not p.grads_in_compute_pool else [],
         [{"parallel.prefetch": 1}] if p.prefetch > 1 else [],
+        [{"parallel.copy_engine_all_gather": False}] if p.copy_engine_all_gather else [],
         [{"train.loss_chunk_tokens": LOSS_CHUNK}] if not t.loss_chunk_tokens else [],
         [{"parallel.cpu_offload": True}] if not p.cpu_offload else [],
         # HSDP (or DDP, dp_shard 1) replicates what FSDP over every GPU would shard
@@ -899,6 +906,9 @@ def _note(cfg: Config, change: dict[str, Any], new: Plan) -> str:
     if freed:
         why.append(f"frees {freed} after forward (gathered again in backward)")
     why += [text for key, text in _WHY.items() if key in change]
+    if "parallel.copy_engine_all_gather" in change:
+        why.append("all-gathers on the copy engines, in NCCL symmetric memory" if change["parallel.copy_engine_all_gather"]
+                   else "FSDP2's all-gather: NCCL kernels on SMs, no symmetric memory pool")
     if "parallel.dp_replicate" in change:
         why.append("HSDP: less inter-node traffic, more memory per GPU" if change["parallel.dp_replicate"] > 1
                    else "FSDP over all GPUs: less memory per GPU, more inter-node traffic")
@@ -959,12 +969,14 @@ def _more_gpus(cfg: Config, base: Plan) -> Optional[Suggestion]:
 
 def _faster_options(cfg: Config, result: Plan, limit: int = 3) -> list[Suggestion]:
     """For a run that fits: the changes the time model says are faster and that fit with OPTION_MARGIN to spare,
-    fastest first. HSDP across nodes, more blocks kept gathered, lighter AC, and fewer, larger micro-batches (only
-    where grad_accum_steps shrinks as much: a larger global batch would change the training, not only its speed)."""
+    fastest first. HSDP across nodes, more blocks kept gathered, lighter AC, the copy engines' all-gather where it
+    was turned off, and fewer, larger micro-batches (only where grad_accum_steps shrinks as much: a larger global
+    batch would change the training, not only its speed)."""
     t = cfg.train
     tweaks = _ac_changes(cfg) + [
         {"train.micro_batch_size": t.micro_batch_size * f, "train.grad_accum_steps": t.grad_accum_steps // f}
-        for f in range(2, t.grad_accum_steps + 1) if t.grad_accum_steps % f == 0]
+        for f in range(2, t.grad_accum_steps + 1) if t.grad_accum_steps % f == 0] + (
+        [] if cfg.parallel.copy_engine_all_gather else [{"parallel.copy_engine_all_gather": True}])
     hsdp = _hsdp_option(cfg, result)
     # A step takes the longer of compute and communication: where inter-node all-gathers set the pace, less
     # recompute gains little without HSDP, so each tweak is also tried on top of it.
