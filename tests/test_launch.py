@@ -790,14 +790,16 @@ def two_nodes_job(tmp_path: Path) -> EndedJob:
     (tmp_path / "other").mkdir()
     stand_in(tmp_path / "other", "uname", "echo other-node\n")
     calls = fake_slurm(tmp_path, tasks=('"$@"', f'PATH="{tmp_path}/other/bin:$PATH" "$@"'))
-    tasks, log = tmp_path / "tasks", tmp_path / "job.log"
+    log, shared_tmp = tmp_path / "job.log", tmp_path / "tmp"
+    shared_tmp.mkdir()
     proc = start(["bash", str(LAUNCH / "slurm.sbatch"), "--train.output_dir", str(tmp_path / "out")],
-                 slurm_job_env(tmp_path, HOSTNAME="login01"), log)
+                 slurm_job_env(tmp_path, HOSTNAME="login01", TMPDIR=str(shared_tmp)), log)
     try:
-        wait_for(lambda: tasks.exists() and len(tasks.read_text().split()) == 2, "both relays", JOB_TIMEOUT)
-        # A relay writes its pid before it starts torchrun: once the second has a child, both pids are written.
-        second = int(tasks.read_text().split()[1])
-        wait_for(lambda: children(second), "the second relay's torchrun", JOB_TIMEOUT)
+        # The batch shell's pid folder, once both relays wrote their pids in it (a relay's first child, its
+        # `uname -n`, comes before its pid file): this node's under its name, the other under other-node.
+        both = (os.uname().nodename, "other-node")
+        wait_for(lambda: any(all((folder / node).exists() for node in both) for folder in shared_tmp.iterdir()),
+                 "both relays' pid files", JOB_TIMEOUT)
         proc.send_signal(signal.SIGUSR1)
         code = proc.wait(timeout=JOB_TIMEOUT)
     finally:
