@@ -69,6 +69,7 @@ EAGER_OP="eager opAC=--ac.mode op --parallel.no_compile"
 COMPILED_OP="compiled opAC=--ac.mode op"
 COMPILED_NONE="compiled noAC=--ac.mode none"
 COMPILED_FULL="compiled fullAC=--ac.mode full"
+COMPILED_MB2="compiled opAC mb2=--ac.mode op --train.micro_batch_size 2"
 lever() { echo "${1%%=*} $2=${1#*=} $3"; }  # lever "NAME=FLAGS" "what" "--its.flag value": the variant plus one lever
 env_lever() { echo "${1%%=*} $2=$3 ${1#*=}"; }  # env_lever "NAME=FLAGS" "what" "VAR=value": the same, set in its environment
 ERRORS="Error|error:|out of memory"  # the lines kept from a training run's output besides its results: why it failed
@@ -95,7 +96,7 @@ for PART in "$@"; do
       throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b \
         --variant "$EAGER_OP" --variant "$COMPILED_OP" \
         --variant "$(lever "$COMPILED_OP" "keep 32" "--parallel.keep_gathered 32")" --variant "$COMPILED_FULL" \
-        --variant "$COMPILED_NONE" --variant "compiled opAC mb2=--ac.mode op --train.micro_batch_size 2" ;;
+        --variant "$COMPILED_NONE" --variant "$COMPILED_MB2" ;;
     levers)
       throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b_levers \
         --variant "$COMPILED_OP" --variant "$(lever "$COMPILED_OP" "automatic gc" "--train.gc_every 0")" \
@@ -129,7 +130,7 @@ for PART in "$@"; do
     copy_engines)
       fsdp2="--parallel.no_copy_engine_all_gather"
       variants=()
-      for v in "$EAGER_OP" "$COMPILED_OP" "$COMPILED_FULL" "$COMPILED_NONE" "compiled opAC mb2=--ac.mode op --train.micro_batch_size 2"; do
+      for v in "$EAGER_OP" "$COMPILED_OP" "$COMPILED_FULL" "$COMPILED_NONE" "$COMPILED_MB2"; do
         variants+=(--variant "$v" --variant "$(lever "$v" "FSDP2 all-gather" "$fsdp2")")
       done
       throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b_copy_engines \

@@ -51,10 +51,10 @@ compiled loss holds the logits and their param_dtype gradient, no float32 buffer
 chunked loss and two-block prefetch were checked on two H200s (within 2%). The reserved estimate was checked against
 torch.cuda.max_memory_reserved() of the full 8B on four H200s, compiled and eager, AC none/op/full, micro-batch 1
 and 2, reshard never and keep_gathered, and the 8.5B with full AC: -1% to +4% with the gradients apart or in the
-compute pool and FSDP2's all-gather; with the copy engines' all-gather, compiled per-op and no AC, +1.1% and +1.2%
-(eager, full AC and micro-batch 2 within -1% to +4% too: benchmarks/results/2026-11-28-H200x4). CPU offload was checked on one H100, eager: the 8B shape cut to 4 layers without AC and with full
-AC, and the 1B without AC at micro-batch 2, within 0.4% each (the peak is at the loss's backward, where no shard is
-being copied in from the host: FSDP2 copies a parameter's float32 shard to the GPU inside a group's all-gather,
+compute pool and FSDP2's all-gather; with the copy engines' all-gather (eager and compiled per-op AC, full and no
+AC, micro-batch 2), -0.9% to +4.0%. CPU offload was checked on one H100, eager: the 8B shape cut to 4 layers without
+AC and with full AC, and the 1B without AC at micro-batch 2, within 0.4% each (the peak is at the loss's backward,
+where no shard is being copied in from the host: FSDP2 copies a parameter's float32 shard to the GPU inside a group's all-gather,
 casts it to param_dtype and frees it before the all-gather output exists, and no moment planned is inside an
 all-gather); their reserved memory within +2.0%, +0.3% and -4.5%, after memory snapshots showed the two stream
 terms above. Not checked on GPUs: HSDP, float16, and the reduce-scatter output's block that the reduce-scatter
@@ -686,7 +686,7 @@ def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], moments: dict[str
         rows.append(Row("reduce-scatter stream's output block", 4 * max(g.shard_numel(s.shard) for g in s.groups),
                         "each group's output is copied to the host and freed there: the largest group's stays"))
     if s.shard > 1:  # with no one to gather from, FSDP2 casts each group on the compute stream when it is used
-        # The largest group outside the blocks (Llama: embedding or output projection) and the blocks gathered ahead.
+        # Groups outside the blocks (Llama: embedding, output projection) and the blocks gathered ahead.
         others = [s.gathered_bytes(g) for g in s.groups if g.role != "block"]
         block = max(s.gathered_bytes(g) for g in s.groups if g.role == "block")
         # In NCCL's symmetric memory pool, the groups outside the blocks did not share memory: on 4 H200s the 8B
@@ -907,7 +907,8 @@ def _note(cfg: Config, change: dict[str, Any], new: Plan) -> str:
         why.append(f"frees {freed} after forward (gathered again in backward)")
     why += [text for key, text in _WHY.items() if key in change]
     if "parallel.copy_engine_all_gather" in change:
-        why.append("all-gathers on the copy engines, in NCCL symmetric memory" if change["parallel.copy_engine_all_gather"]
+        engines = change["parallel.copy_engine_all_gather"]
+        why.append("all-gathers on the copy engines, in NCCL symmetric memory" if engines
                    else "FSDP2's all-gather: NCCL kernels on SMs, no symmetric memory pool")
     if "parallel.dp_replicate" in change:
         why.append("HSDP: less inter-node traffic, more memory per GPU" if change["parallel.dp_replicate"] > 1

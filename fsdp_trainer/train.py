@@ -231,9 +231,9 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
         if info.is_main:
             write_run_info(output_dir, to_toml(cfg), environment(device, info.world_size, mesh.mesh.shape))
             name = cfg.model.name if args is not None else model_class(model).__name__
-            all_gather = (f" | all-gathers in NCCL symmetric memory, NCCL_CTA_POLICY="
-                          f"{os.environ.get('NCCL_CTA_POLICY', 'unset')}" if copy_engines_all_gather(cfg, info.world_size)
-                          else "")
+            policy = os.environ.get("NCCL_CTA_POLICY", "unset")
+            all_gather = (f" | all-gathers in NCCL symmetric memory, NCCL_CTA_POLICY={policy}"
+                          if copy_engines_all_gather(cfg, info.world_size) else "")
             logger.info(f"model {name}: {num_params / 1e6:,.1f}M parameters | mesh "
                         f"{dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))} | {param_dtype} compute | "
                         f"global batch {global_batch} x {t.seq_len} tokens | ac {cfg.ac.mode}{all_gather}")
