@@ -179,8 +179,8 @@ class ParallelConfig:
     """Run FSDP2's all-gathers on the GPUs' copy engines instead of NCCL kernels that take SMs from the compute: the
     all-gather outputs live in NCCL symmetric memory and NCCL's zero-CTA policy (NCCL_CTA_POLICY=2, unless set)
     copies them. The 8B on 4 H200s ran 1.9-2.4% faster in every AC mode, eager and compiled (0.6% at micro-batch
-    2), for 0.885 GiB more reserved. Applies where every rank is on one host, with NCCL 2.28 or later and dp_shard
-    > 1; elsewhere FSDP2's own all-gather runs."""
+    2), for 0.885 GiB more reserved. Applies where every rank is on one host, with NCCL 2.28 or later (cuMem not
+    turned off by NCCL_CUMEM_ENABLE=0) and dp_shard > 1; elsewhere FSDP2's own all-gather runs."""
 
 
 @dataclass

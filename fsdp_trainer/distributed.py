@@ -50,9 +50,10 @@ def launched_rank_and_world_size() -> tuple[int, int]:
 
 def copy_engines_can_all_gather(world_size: int) -> bool:
     """Whether NCCL can run FSDP2's all-gathers on the copy engines (parallel.copy_engine_all_gather): every rank on
-    this host, whose GPUs the engines copy between, and NCCL 2.28 or later, whose zero-CTA policy uses them."""
+    this host, whose GPUs the engines copy between, NCCL 2.28 or later, whose zero-CTA policy uses them, and its
+    cuMem allocation, which its symmetric memory needs, not turned off (NCCL_CUMEM_ENABLE=0, for older drivers)."""
     return (torch.cuda.is_available() and 1 < world_size == int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            and torch.cuda.nccl.version() >= (2, 28))
+            and os.environ.get("NCCL_CUMEM_ENABLE") != "0" and torch.cuda.nccl.version() >= (2, 28))
 
 
 def init(timeout_s: float = 600.0, cpu_collectives: bool = False) -> DistInfo:

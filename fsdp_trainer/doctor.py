@@ -101,7 +101,10 @@ KNOWN_VARIABLES = {
     "NCCL_NET_GDR_LEVEL": "when the NIC may read/write GPU memory directly (GPUDirect RDMA)",
     "NCCL_ALGO": "forces the collective algorithm (Ring, Tree, NVLS, ...); for experiments only",
     "NCCL_PROTO": "forces the protocol (LL, LL128, Simple); for experiments only",
-    "NCCL_CUMEM_ENABLE": "cuMem-based buffer allocation; 0 falls back to cudaMalloc (older drivers, containers)",
+    "NCCL_CUMEM_ENABLE": "cuMem-based buffer allocation; 0 falls back to cudaMalloc (older drivers, containers) "
+                         "and turns off the trainer's copy-engine all-gathers, which need NCCL symmetric memory",
+    "NCCL_CTA_POLICY": "how many SMs NCCL's kernels may take; 2 (zero-CTA) lets the copy engines do all-gathers "
+                       "into symmetric memory (the trainer sets it on one host: parallel.copy_engine_all_gather)",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "what the NCCL watchdog does when a collective fails or times out (0: "
                                        "nothing, 1: abort and exit, 2: abort and raise, 3 (default): exit)",
     "TORCH_NCCL_BLOCKING_WAIT": "1: wait() blocks the CPU and raises on timeout instead of the watchdog aborting",

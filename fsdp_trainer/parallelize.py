@@ -168,12 +168,23 @@ class SymmetricMemoryAllGather(AllGather):
         dist.barrier(group=group)  # the group's NCCL communicator must exist before the first rendezvous
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
-            return torch.empty(*size, dtype=dtype, device=device)
+        try:
+            with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
+                return torch.empty(*size, dtype=dtype, device=device)
+        except RuntimeError as err:
+            raise _without_symmetric_memory(err) from err
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        symm_mem.rendezvous(output_tensor, group=group.group_name)
+        try:
+            symm_mem.rendezvous(output_tensor, group=group.group_name)
+        except RuntimeError as err:
+            raise _without_symmetric_memory(err) from err
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def _without_symmetric_memory(err: RuntimeError) -> RuntimeError:
+    return RuntimeError(f"NCCL symmetric memory for the all-gathers failed ({err}); train with FSDP2's own "
+                        "all-gather: --parallel.no_copy_engine_all_gather")
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -678,11 +680,17 @@ def test_apply_fsdp_refuses_a_model_built_in_16_bits_before_sharding(monkeypatch
     (4, "4", (2, 27, 7), 1, False),  # before NCCL's zero-CTA policy
     (1, "1", (2, 28, 9), 1, False),  # nothing to gather
     (4, "4", (2, 28, 9), 4, False),  # dp_shard 1: replicas only
+    (4, "4", "cuMem off", 1, False),  # NCCL_CUMEM_ENABLE=0: no symmetric memory
 ])
 def test_the_copy_engines_all_gather_only_on_one_host_with_nccl_2_28_and_shards_to_gather(
         monkeypatch, world, local, nccl, dp_replicate, applies):
     from fsdp_trainer import train
 
+    if nccl == "cuMem off":
+        monkeypatch.setenv("NCCL_CUMEM_ENABLE", "0")
+        nccl = (2, 28, 9)
+    else:
+        monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: nccl)
     if local is None:
@@ -693,3 +701,20 @@ def test_the_copy_engines_all_gather_only_on_one_host_with_nccl_2_28_and_shards_
     assert train.copy_engines_all_gather(cfg, world) is applies
     cfg.parallel.copy_engine_all_gather = False
     assert not train.copy_engines_all_gather(cfg, world)
+
+
+def test_a_symmetric_memory_failure_names_the_flag_that_avoids_it(monkeypatch):
+    """A host where NCCL cannot give symmetric memory (a container without cuMem, say) fails at the first all-gather
+    with the way around it, not with NCCL's words alone."""
+    from fsdp_trainer import parallelize
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("ncclMemAlloc failed: unhandled cuda error")
+
+    monkeypatch.setattr(parallelize.symm_mem, "get_mem_pool", refuse)
+    monkeypatch.setattr(parallelize.symm_mem, "rendezvous", refuse)
+    comm = object.__new__(parallelize.SymmetricMemoryAllGather)  # no NCCL group to barrier on here
+    for call in (lambda: comm.allocate((4,), dtype=torch.bfloat16, device=torch.device("cpu")),
+                 lambda: comm(torch.empty(4), torch.empty(2), SimpleNamespace(group_name="0"))):
+        with pytest.raises(RuntimeError, match=r"ncclMemAlloc failed.*--parallel.no_copy_engine_all_gather"):
+            call()
