@@ -64,7 +64,9 @@ def prepare(mode: str, cfg, info: distributed.DistInfo):
 
 def worker(mode: str, config: str, steps: int, warmup: int, overrides: list[str]) -> None:
     cfg = parse_args(["--config", config, *overrides])
-    info = distributed.init()
+    # FSDP2 as the trainer runs it, its all-gathers on the copy engines where they apply.
+    world_size = distributed.launched_rank_and_world_size()[1]
+    info = distributed.init(copy_engines=mode == "fsdp" and train.copy_engines_all_gather(cfg, world_size))
     device = info.device
     cuda = device.type == "cuda"
     model, args, autocast = prepare(mode, cfg, info)

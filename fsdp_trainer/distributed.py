@@ -56,11 +56,15 @@ def copy_engines_can_all_gather(world_size: int) -> bool:
             and os.environ.get("NCCL_CUMEM_ENABLE") != "0" and torch.cuda.nccl.version() >= (2, 28))
 
 
-def init(timeout_s: float = 600.0, cpu_collectives: bool = False) -> DistInfo:
+def init(timeout_s: float = 600.0, cpu_collectives: bool = False, copy_engines: bool = False) -> DistInfo:
     """Start (or join) the default process group: NCCL with one GPU per rank, else gloo on CPU.
 
     `cpu_collectives` adds gloo for CPU tensors beside NCCL (FSDP's CPU offload keeps the gradients in host memory,
-    and the global gradient norm is all-reduced there)."""
+    and the global gradient norm is all-reduced there). `copy_engines` sets NCCL_CTA_POLICY=2, unless the
+    environment sets it, before the communicator starts (it reads it then): NCCL's zero-CTA policy, under which it
+    all-gathers into symmetric memory with the copy engines (parallel.copy_engine_all_gather)."""
+    if copy_engines:
+        os.environ.setdefault("NCCL_CTA_POLICY", "2")
     under_launcher = "RANK" in os.environ
     rank, world_size = launched_rank_and_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -168,23 +168,27 @@ class SymmetricMemoryAllGather(AllGather):
         dist.barrier(group=group)  # the group's NCCL communicator must exist before the first rendezvous
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        try:
+        with _symmetric_memory_errors():
             with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
                 return torch.empty(*size, dtype=dtype, device=device)
-        except RuntimeError as err:
-            raise _without_symmetric_memory(err) from err
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        try:
+        with _symmetric_memory_errors():
             symm_mem.rendezvous(output_tensor, group=group.group_name)
-        except RuntimeError as err:
-            raise _without_symmetric_memory(err) from err
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-def _without_symmetric_memory(err: RuntimeError) -> RuntimeError:
-    return RuntimeError(f"NCCL symmetric memory for the all-gathers failed ({err}); train with FSDP2's own "
-                        "all-gather: --parallel.no_copy_engine_all_gather")
+@contextlib.contextmanager
+def _symmetric_memory_errors():
+    """NCCL refusing symmetric memory (a container without cuMem, say) is told with the way around it. Running out
+    of memory and a peer's failure pass unchanged: the trainer reports those itself (the OOM report, the watchdog)."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, dist.DistError):
+        raise
+    except RuntimeError as err:
+        raise RuntimeError(f"NCCL symmetric memory for the all-gathers failed ({err}); train with FSDP2's own "
+                           "all-gather: --parallel.no_copy_engine_all_gather") from err
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type],
@@ -205,8 +209,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     `grads_in_compute_pool` lets the sharded gradients and the activations share memory (CUDA). It is refused
     where it would be unsafe (`ComputePoolReduceScatter`): here for a 2-D mesh, CPU offload or a reduction that is
     not float32; during backward if a reduce-scatter would add into existing gradients.
-    `symmetric_memory_all_gather` all-gathers into NCCL symmetric memory (`SymmetricMemoryAllGather`; CUDA, with
-    dp_shard > 1)."""
+    `symmetric_memory_all_gather` all-gathers into NCCL symmetric memory (`SymmetricMemoryAllGather`; CUDA and
+    NCCL only)."""
     _check_choice("reshard_after_forward", reshard_after_forward, ReshardPolicy)
     if grads_in_compute_pool and (mesh.ndim != 1 or cpu_offload or reduce_dtype != torch.float32):
         raise ValueError("grads_in_compute_pool needs a 1-D mesh, float32 reduction and no CPU offload: the sharded "
@@ -230,7 +234,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     for group in groups:
         shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard(group[0] is last))
     shard(model)
-    if symmetric_memory_all_gather and mesh.device_type == "cuda" and mesh.size(-1) > 1:
+    if symmetric_memory_all_gather and mesh.size(-1) > 1:  # with no one to gather from, FSDP2 gathers nothing
         all_gather = SymmetricMemoryAllGather(mesh.get_group(mesh.ndim - 1))
         for module, _ in _units(model).values():
             module.set_custom_all_gather(all_gather)

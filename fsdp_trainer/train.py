@@ -18,6 +18,7 @@ Runbook:
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import inspect
 import json
@@ -67,7 +68,7 @@ ModelFn = Callable[[Config], tuple[nn.Module, Sequence[type], Sequence[Sequence[
 
 def copy_engines_all_gather(cfg: Config, world_size: int) -> bool:
     """Whether parallel.copy_engine_all_gather applies: the all-gathers in NCCL symmetric memory, which NCCL copies
-    with the copy engines under NCCL_CTA_POLICY=2 (set by main unless the environment has it)."""
+    with the copy engines under NCCL_CTA_POLICY=2 (distributed.init(copy_engines=True) sets it)."""
     return (cfg.parallel.copy_engine_all_gather and mesh_shape(cfg.parallel, world_size)[1] > 1
             and distributed.copy_engines_can_all_gather(world_size))
 
@@ -462,9 +463,8 @@ def main(argv=None, model_fn: Optional[ModelFn] = None) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
     if cfg.dist.flight_recorder and torch.cuda.is_available():
         enable_flight_recorder(Path(cfg.train.output_dir))
-    if copy_engines_all_gather(cfg, world_size):
-        os.environ.setdefault("NCCL_CTA_POLICY", "2")  # read when NCCL creates the communicator, in init
-    info = distributed.init(cfg.dist.init_timeout_s, cpu_collectives=cfg.parallel.cpu_offload)
+    info = distributed.init(cfg.dist.init_timeout_s, cpu_collectives=cfg.parallel.cpu_offload,
+                            copy_engines=copy_engines_all_gather(cfg, world_size))
     try:
         run(cfg, info, memory_plan, signals, dataset, model_fn)
     except BaseException as err:
@@ -498,7 +498,10 @@ def fits_or_exit(cfg: Config, world_size: int, rank: int, own_model: bool = Fals
                   file=sys.stderr)
         return None
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-    memory_plan = check_fits(cfg, world_size, torch.cuda.get_device_properties(local_rank).total_memory)
+    # Planned as it will run here: the planner alone cannot know this host's NCCL and environment.
+    planned = copy.deepcopy(cfg)
+    planned.parallel.copy_engine_all_gather = copy_engines_all_gather(cfg, world_size)
+    memory_plan = check_fits(planned, world_size, torch.cuda.get_device_properties(local_rank).total_memory)
     if not memory_plan.fits and not cfg.memory.ignore_plan:
         raise ConfigError(f"{memory_plan.summary_line()}. Apply a suggested change, or "
                           "pass --memory.ignore_plan to start anyway. Details: python -m fsdp_trainer.plan "

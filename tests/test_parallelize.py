@@ -714,7 +714,61 @@ def test_a_symmetric_memory_failure_names_the_flag_that_avoids_it(monkeypatch):
     monkeypatch.setattr(parallelize.symm_mem, "get_mem_pool", refuse)
     monkeypatch.setattr(parallelize.symm_mem, "rendezvous", refuse)
     comm = object.__new__(parallelize.SymmetricMemoryAllGather)  # no NCCL group to barrier on here
-    for call in (lambda: comm.allocate((4,), dtype=torch.bfloat16, device=torch.device("cpu")),
-                 lambda: comm(torch.empty(4), torch.empty(2), SimpleNamespace(group_name="0"))):
+    calls = (lambda: comm.allocate((4,), dtype=torch.bfloat16, device=torch.device("cpu")),
+             lambda: comm(torch.empty(4), torch.empty(2), SimpleNamespace(group_name="0")))
+    for call in calls:
         with pytest.raises(RuntimeError, match=r"ncclMemAlloc failed.*--parallel.no_copy_engine_all_gather"):
             call()
+    # Out of memory, or a peer gone, is not symmetric memory's fault: raised as it came, for the OOM report or
+    # the watchdog.
+    for error in (torch.OutOfMemoryError("CUDA out of memory"), torch.distributed.DistError("peer closed")):
+        def fail(*args, **kwargs):
+            raise error
+
+        monkeypatch.setattr(parallelize.symm_mem, "get_mem_pool", fail)
+        monkeypatch.setattr(parallelize.symm_mem, "rendezvous", fail)
+        for call in calls:
+            with pytest.raises(type(error)) as raised:
+                call()
+            assert raised.value is error
+
+
+def all_gathers_counted_through_the_installed_comm(symmetric: bool) -> int:
+    """All-gathers of one forward and backward that reach the all-gather apply_fsdp installs for
+    symmetric_memory_all_gather (here a gloo stand-in for SymmetricMemoryAllGather that counts them)."""
+    import torch.distributed as dist
+
+    from fsdp_trainer import distributed, parallelize
+    from fsdp_trainer.parallelize import init_weights
+
+    calls = []
+
+    class Counting(parallelize.AllGather):
+        def __init__(self, group):
+            pass
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            calls.append(output_tensor.numel())
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    parallelize.SymmetricMemoryAllGather = Counting
+    distributed.init()
+    model = build(ARGS, device="meta")
+    apply_fsdp(model, distributed.build_mesh("cpu", 1, 2), block_types=(TransformerBlock,),
+               groups=[[model.tok_embeddings], [model.norm, model.output]], param_dtype=torch.float32,
+               symmetric_memory_all_gather=symmetric)
+    init_weights(model, torch.device("cpu"))
+    calls.clear()
+    model(torch.zeros(2, 8, dtype=torch.long)).sum().backward()
+    return len(calls)
+
+
+def test_every_unit_all_gathers_through_the_symmetric_memory_all_gather_forward_and_backward():
+    """Each block, the embedding and the output head all-gather through it in forward, and every unit resharded
+    after forward (all but the output head) again in backward; without the flag, nothing does."""
+    n = ARGS.n_layers
+    assert run_ranks(all_gathers_counted_through_the_installed_comm, 2, True) == [(n + 2) + (n + 1)] * 2
+    assert run_ranks(all_gathers_counted_through_the_installed_comm, 2, False) == [0, 0]

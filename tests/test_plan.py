@@ -899,3 +899,21 @@ def test_the_gradients_row_says_when_they_are_reduced():
                     if r.name.startswith("gradients"))
     assert note() == "kept across micro-batches"
     assert note("--parallel.defer_grad_sync") == "reduced once, after the last micro-batch"
+
+
+def test_the_launch_plans_the_all_gather_this_host_will_run(monkeypatch):
+    """train.fits_or_exit plans the symmetric pool only where the copy engines' all-gather will run here (one host,
+    NCCL 2.28, cuMem on): elsewhere a run that fits would be refused for a pool it never creates."""
+    from types import SimpleNamespace
+
+    from fsdp_trainer import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=141 * GiB))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    cfg = cfg_for("--ac.mode", "op", "--parallel.compile")
+    for applies, row_name in ((True, "all-gather symmetric memory pool"), (False, "all-gather stream's buffers")):
+        monkeypatch.setattr(train, "copy_engines_all_gather", lambda cfg, world_size: applies)
+        assert row_name in [r.name for r in train.fits_or_exit(cfg, 4, rank=1).rows]
+    assert cfg.parallel.copy_engine_all_gather  # the run's own config is left as it was
