@@ -168,9 +168,8 @@ class SymmetricMemoryAllGather(AllGather):
         dist.barrier(group=group)  # the group's NCCL communicator must exist before the first rendezvous
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        with _symmetric_memory_errors():
-            with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
-                return torch.empty(*size, dtype=dtype, device=device)
+        with _symmetric_memory_errors(), torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
+            return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
         with _symmetric_memory_errors():

@@ -171,8 +171,8 @@ def _two_gpu_run(out, flag: str) -> tuple[list[float], str]:
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
                            "fsdp_trainer.train", "--model.name", "1b", "--model.n_layers", "4",
-                           "--train.seq_len", "2048", "--train.micro_batch_size", "2", "--train.steps", "8", "--train.log_every", "1",
-                           "--train.deterministic", "--data.source", "synthetic", "--train.output_dir", str(out),
+                           "--train.seq_len", "2048", "--train.micro_batch_size", "2", "--train.steps", "8",
+                           "--train.log_every", "1", "--train.deterministic", "--data.source", "synthetic", "--train.output_dir", str(out),
                            "--checkpoint.interval", "0", "--checkpoint.no_save_final", "--metrics.no_tensorboard",
                            f"--parallel.{flag}"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -673,30 +673,26 @@ def test_apply_fsdp_refuses_a_model_built_in_16_bits_before_sharding(monkeypatch
     apply_fsdp(model, None, block_types=(TransformerBlock,))
 
 
-@pytest.mark.parametrize("world,local,nccl,dp_replicate,applies", [
-    (4, "4", (2, 28, 9), 1, True),
-    (8, "4", (2, 28, 9), 1, False),  # two hosts: no copy engine reaches the other one
-    (4, None, (2, 28, 9), 1, False),  # no launcher said the ranks share a host
-    (4, "4", (2, 27, 7), 1, False),  # before NCCL's zero-CTA policy
-    (1, "1", (2, 28, 9), 1, False),  # nothing to gather
-    (4, "4", (2, 28, 9), 4, False),  # dp_shard 1: replicas only
-    (4, "4", "cuMem off", 1, False),  # NCCL_CUMEM_ENABLE=0: no symmetric memory
+@pytest.mark.parametrize("world,local,nccl,cumem,dp_replicate,applies", [
+    (4, "4", (2, 28, 9), None, 1, True),
+    (8, "4", (2, 28, 9), None, 1, False),  # two hosts: no copy engine reaches the other one
+    (4, None, (2, 28, 9), None, 1, False),  # no launcher said the ranks share a host
+    (4, "4", (2, 27, 7), None, 1, False),  # before NCCL's zero-CTA policy
+    (1, "1", (2, 28, 9), None, 1, False),  # nothing to gather
+    (4, "4", (2, 28, 9), None, 4, False),  # dp_shard 1: replicas only
+    (4, "4", (2, 28, 9), "0", 1, False),  # NCCL_CUMEM_ENABLE=0: no symmetric memory
 ])
 def test_the_copy_engines_all_gather_only_on_one_host_with_nccl_2_28_and_shards_to_gather(
-        monkeypatch, world, local, nccl, dp_replicate, applies):
+        monkeypatch, world, local, nccl, cumem, dp_replicate, applies):
     from fsdp_trainer import train
 
-    if nccl == "cuMem off":
-        monkeypatch.setenv("NCCL_CUMEM_ENABLE", "0")
-        nccl = (2, 28, 9)
-    else:
-        monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    for name, value in (("LOCAL_WORLD_SIZE", local), ("NCCL_CUMEM_ENABLE", cumem)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: nccl)
-    if local is None:
-        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    else:
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     cfg = parse_args([*TINY_FLAGS, "--parallel.dp_replicate", str(dp_replicate)])
     assert train.copy_engines_all_gather(cfg, world) is applies
     cfg.parallel.copy_engine_all_gather = False
