@@ -70,7 +70,7 @@ def worker(mode: str, config: str, steps: int, warmup: int, overrides: list[str]
     device = info.device
     cuda = device.type == "cuda"
     model, args, autocast = prepare(mode, cfg, info)
-    optimizer = build_optimizer(model, cfg.optim, device)
+    optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, steps)
     t = cfg.train
     batches = iter(build_dataloader(build_dataset(cfg.data, t.seq_len, args.vocab_size),

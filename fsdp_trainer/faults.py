@@ -353,8 +353,8 @@ _NONFINITE_FIXES = "Lower optim.lr, raise optim.warmup_steps, check the data aro
 class NonFiniteGuard:
     """Skips optimizer updates whose global grad norm is not finite, without a host sync on GPU.
 
-    Fused AdamW (CUDA) accepts a `found_inf` tensor and then leaves weights, moments and step count untouched,
-    all on the device. Elsewhere the check is a plain `.item()`, which costs nothing extra on a CPU.
+    Fused AdamW (optim.build_optimizer's) accepts a `found_inf` tensor and then leaves weights, moments and step
+    count untouched, all on the device.
     The count of skipped steps and the first one's number are read on logging steps and before checkpoints.
     A resumed run starts from the step and the count of skipped steps of its checkpoint: both are the whole run's.
     With float16 the loss scaler skips overflowing steps itself, as part of finding its scale, so they are not
@@ -374,11 +374,8 @@ class NonFiniteGuard:
         bad = ~torch.isfinite(grad_norm)
         self.skipped += bad
         self.first_bad = torch.where(bad & (self.first_bad < 0), self.step_number, self.first_bad)
-        if optimizer.defaults.get("fused"):
-            optimizer.found_inf = bad.float()
-            optimizer.step()
-        elif not bad.item():
-            optimizer.step()
+        optimizer.found_inf = bad.float()
+        optimizer.step()
 
     def check(self) -> int:
         """Raise if the configured limit is exceeded; return the number of skipped steps. A host sync."""

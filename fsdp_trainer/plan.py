@@ -108,8 +108,9 @@ INTER_NODE_BUS_BW = 40e9
 """Per GPU across nodes: 400 Gb/s InfiniBand per GPU at ~80%."""
 PCIE_BW = 25e9
 """Host <-> GPU copies of pinned memory (PCIe 5 x16 achieved), for CPU offload."""
-HOST_ADAMW_BW = 10e9
-"""Bytes/s one process's CPU AdamW (foreach) streams through host memory under CPU offload."""
+HOST_ADAMW_BW = 20e9
+"""Bytes/s one process's fused CPU AdamW streams through host memory under CPU offload, on the one thread torchrun
+gives each of several processes (OMP_NUM_THREADS=1): 23.5 GB/s on a 2-core x86 host (the foreach form: 5.7)."""
 GATHER_COPY_SECONDS_PER_BYTE = 1.3e-3 / GiB
 """Compute-stream time of FSDP2's copies per all-gathered byte: 32 fewer re-gathers of the 8B's blocks (13.6 GiB
 per step) made a 4 x H200 step 18 ms shorter (benchmarks/README.md, keeping blocks gathered)."""
@@ -494,11 +495,11 @@ def _step_seconds(s: _Setup) -> float:
 
 
 def _host_bytes_per_node(s: _Setup) -> int:
-    """Host RAM CPU offload needs per node: per GPU the float32 parameter and gradient shards, AdamW's two moments
-    and one parameter-sized temporary of the foreach AdamW that runs on the CPU."""
+    """Host RAM CPU offload needs per node: per GPU the float32 parameter and gradient shards and AdamW's two
+    moments (the fused CPU step allocates no temporaries)."""
     if not s.offload:
         return 0
-    return 20 * s.shard_numel() * min(s.gpus_per_node, s.gpus)
+    return 16 * s.shard_numel() * min(s.gpus_per_node, s.gpus)
 
 
 def _staging_bytes_per_node(cfg: Config, s: _Setup) -> int:

@@ -151,7 +151,7 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
     with torch.profiler.record_function(OPTIMIZER_RANGE):  # the profile's breakdown attributes kernels by it
         if scaler:
             scaler.unscale_(optimizer)
-        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip, None if scaler else optimizer)
         if scaler:  # the scaler skips steps with inf/NaN gradients itself, and lowers the scale
             scaler.step(optimizer)
             scaler.update()
@@ -200,7 +200,7 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     mesh = distributed.build_mesh(device.type, dp_replicate, dp_shard)
     model, args = build_model(cfg, mesh, device, model_fn)
     num_params = args.num_params() if args is not None else sum(p.numel() for p in model.parameters())
-    optimizer = build_optimizer(model, cfg.optim, device)
+    optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     param_dtype = resolve_param_dtype(cfg.parallel.param_dtype, device.type)
     # FSDP2's gradients are DTensors, which torch.amp's scaler handles (found-inf reduced across ranks).

@@ -311,7 +311,7 @@ def test_a_resume_restores_the_loss_scaler(tmp_path):
     with one_rank() as info:
         def checkpointer(scaler) -> ck.Checkpointer:
             model, _ = build_model(cfg, distributed.build_mesh("cpu", 1, 1), info.device)
-            optimizer = build_optimizer(model, cfg.optim, info.device)
+            optimizer = build_optimizer(model, cfg.optim)
             scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
             return ck.Checkpointer(cfg, info, model, optimizer, scheduler, scaler)
 
@@ -525,7 +525,7 @@ def assert_init_from_gives(cfg, source: str, want: dict[str, torch.Tensor]) -> N
     cfg.checkpoint.dir = str(Path(cfg.train.output_dir) / "fresh")
     with one_rank() as info:
         model, _ = build_model(cfg, distributed.build_mesh("cpu", 1, 1), info.device)
-        optimizer = build_optimizer(model, cfg.optim, info.device)
+        optimizer = build_optimizer(model, cfg.optim)
         ckpt = ck.Checkpointer(cfg, info, model, optimizer, build_scheduler(optimizer, cfg.optim, cfg.train.steps))
         assert ckpt.restore() == ck.Progress()
         got = full_state(model)
@@ -895,7 +895,7 @@ def restore_with_seed_by_rank(out: str, seeds: list[int]) -> str:
     info = distributed.init(60)
     cfg = parse_args([*TINY, "--train.output_dir", out])
     model, _ = build_model(cfg, distributed.build_mesh("cpu", 1, info.world_size), info.device)
-    optimizer = build_optimizer(model, cfg.optim, info.device)
+    optimizer = build_optimizer(model, cfg.optim)
     data = {"kind": "synthetic tokens", "vocab_size": 320, "seed": seeds[info.rank]}
     ckpt = ck.Checkpointer(cfg, info, model, optimizer, build_scheduler(optimizer, cfg.optim, 4), data=data)
     try:

@@ -391,7 +391,7 @@ def test_an_oom_names_the_part_of_the_step_it_happened_in():
     cpu = torch.device("cpu")
     cfg = parse_args(["--model.vocab_size", "10"])
     model = torch.nn.Embedding(10, 10)  # logits [batch, seq, 10] of token ids
-    optimizer = optim.build_optimizer(model, cfg.optim, cpu)
+    optimizer = optim.build_optimizer(model, cfg.optim)
     scheduler = optim.build_scheduler(optimizer, cfg.optim, 100)
     batches = itertools.repeat((torch.randint(0, 10, (2, 4)), torch.randint(0, 10, (2, 4))))
 

@@ -43,9 +43,28 @@ def test_clipping_scales_the_gradients_to_the_max_norm_and_returns_the_norm_befo
     torch.testing.assert_close(model.weight.grad, torch.tensor([[0.3, 0.0], [0.0, 0.4]]))
 
 
+@pytest.mark.parametrize("grad,applied", [
+    ([[3.0, 0.0], [0.0, 4.0]], [[0.6, 0.0], [0.0, 0.8]]),  # norm 5, clipped to 1
+    ([[0.3, 0.0], [0.0, 0.4]], [[0.3, 0.0], [0.0, 0.4]]),  # under the limit: applied as it is
+])
+def test_clipping_in_the_fused_step_applies_the_clipped_gradient(grad, applied):
+    """Given the optimizer, the gradient stays as it is and the step applies it clipped: AdamW's first moment
+    after one step is (1 - beta1) x the gradient it applied."""
+    model = nn.Linear(2, 2, bias=False)
+    optimizer = build_optimizer(model, OptimConfig(betas=(0.9, 0.95)))
+    model.weight.grad = torch.tensor(grad)
+    norm = clip_grad_norm(model, max_norm=1.0, optimizer=optimizer)
+    assert norm.item() == pytest.approx(sum(v * v for row in grad for v in row) ** 0.5)
+    torch.testing.assert_close(model.weight.grad, torch.tensor(grad))
+    optimizer.step()
+    state = optimizer.state[model.weight]
+    torch.testing.assert_close(state["exp_avg"], 0.1 * torch.tensor(applied), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(state["exp_avg_sq"], 0.05 * torch.tensor(applied) ** 2, rtol=1e-5, atol=1e-9)
+
+
 def test_no_weight_decay_on_norms_and_other_vectors():
     model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))
-    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.1), torch.device("cpu"))
+    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.1))
     decay = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
     assert decay[id(model[0].weight)] == 0.1
     assert decay[id(model[0].bias)] == decay[id(model[1].weight)] == decay[id(model[1].bias)] == 0.0

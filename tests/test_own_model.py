@@ -105,7 +105,7 @@ def reference(cfg, world_size: int, steps: int):
     t = cfg.train
     torch.manual_seed(t.seed)
     model = GPT2()
-    optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, t.steps)
     dataset = build_dataset(cfg.data, t.seq_len, 320)
     batches = iter(build_dataloader(dataset, num_workers=0, micro_batch_size=t.micro_batch_size * world_size,
@@ -157,7 +157,7 @@ def one_step(model):
     of 2 x 32 tokens."""
     cfg = tiny_config()
     train.check_logits_once(model, cfg.model.vocab_size)
-    optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg.optim)
     tokens = torch.randint(0, 320, (2, 33), generator=torch.Generator().manual_seed(0))
     batches = iter([(tokens[:, :-1], tokens[:, 1:])])
     scheduler = build_scheduler(optimizer, cfg.optim, 1)

@@ -275,7 +275,7 @@ def one_llama_step(cfg, micro_batches: int = 1) -> None:
     args = model_args_from_config(cfg.model)
     model = build(args, device="cpu")
     model.init_weights(0)
-    optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg.optim)
     tokens = torch.randint(0, args.vocab_size, (2, cfg.train.seq_len + 1))
     batches = iter([(tokens[:, :-1], tokens[:, 1:])] * micro_batches)
     train.train_step(model, optimizer, build_scheduler(optimizer, cfg.optim, 1), batches, cfg, None,
