@@ -110,7 +110,8 @@ PCIE_BW = 25e9
 """Host <-> GPU copies of pinned memory (PCIe 5 x16 achieved), for CPU offload."""
 HOST_ADAMW_BW = 20e9
 """Bytes/s one process's fused CPU AdamW streams through host memory under CPU offload, on the one thread torchrun
-gives each of several processes (OMP_NUM_THREADS=1): 23.5 GB/s on a 2-core x86 host (the foreach form: 5.7)."""
+gives each of several processes (OMP_NUM_THREADS=1): 19.8-20.8 GB/s on the host of a 1 x H200 machine, where the
+foreach form streamed 3.9-4.5 and 16 threads 115 (benchmarks/results/2026-11-29-H200x1/host_adamw.txt)."""
 GATHER_COPY_SECONDS_PER_BYTE = 1.3e-3 / GiB
 """Compute-stream time of FSDP2's copies per all-gathered byte: 32 fewer re-gathers of the 8B's blocks (13.6 GiB
 per step) made a 4 x H200 step 18 ms shorter (benchmarks/README.md, keeping blocks gathered)."""
