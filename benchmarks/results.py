@@ -42,7 +42,12 @@ def recorded_env() -> dict[str, str]:
 
 def git_revision(checkout: Path = Path(__file__).parent) -> Optional[str]:
     """The commit these scripts ran from, with "-modified" when tracked files differ from it (the code that ran is
-    then not that commit's); None outside a git checkout (a copied tree, an unpacked archive)."""
+    then not that commit's). In a tree unpacked from `git archive` (how a GPU host without the repository gets it),
+    the commit `git archive` wrote into archived_commit.txt; None in any other copy."""
+    stamp = checkout / "archived_commit.txt"  # "$Format:%H$", which git archive replaces (.gitattributes)
+    archived = stamp.read_text().strip() if stamp.exists() else ""
+    if archived and "$" not in archived:
+        return archived
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=checkout, text=True, capture_output=True,
                               check=True).stdout.strip()

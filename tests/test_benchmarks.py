@@ -165,6 +165,30 @@ def test_the_recorded_commit_says_when_the_code_that_ran_differs_from_it(tmp_pat
     assert git_revision(tmp_path / "unpacked" / "benchmarks") is None
 
 
+def test_a_tree_unpacked_from_git_archive_records_the_archived_commit(tmp_path):
+    from results import git_revision
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path / "repo",
+                              check=True, capture_output=True).stdout
+
+    project = Path(__file__).resolve().parent.parent
+    for name in (".gitattributes", "benchmarks/archived_commit.txt"):  # this project's, as committed with it
+        (tmp_path / "repo" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "repo" / name).write_text((project / name).read_text())
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "a")
+    assert git_revision(tmp_path / "repo" / "benchmarks") == git("rev-parse", "HEAD").decode().strip()
+    (tmp_path / "unpacked").mkdir()
+    subprocess.run(["tar", "-x", "-C", str(tmp_path / "unpacked")], input=git("archive", "HEAD"), check=True)
+    assert git_revision(tmp_path / "unpacked" / "benchmarks") == git("rev-parse", "HEAD").decode().strip()
+    # A plain copy keeps the stamp unsubstituted and names no commit.
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "archived_commit.txt").write_text((project / "benchmarks/archived_commit.txt").read_text())
+    assert git_revision(tmp_path / "copy") is None
+
+
 def test_error_line_is_the_childs_error_not_torchruns_summary():
     from runs import error_line
 
