@@ -79,7 +79,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_trainer.config import Config, ConfigError, checkpoint_root, from_dict, mesh_shape, to_toml
 from fsdp_trainer.data import fsync_folder, samples_per_step, write_atomic
-from fsdp_trainer.distributed import DistInfo, logger
+from fsdp_trainer.distributed import DistInfo, cores_per_rank, logger
 from fsdp_trainer.faults import ATTEMPT, BACKSTOP_S, Watchdog, spans
 from fsdp_trainer.models.llama import Transformer, model_args_from_config
 
@@ -841,7 +841,7 @@ class ReusedBufferStager:
                 total += -(-shard.numel() * shard.element_size() // 64) * 64  # 64-byte aligned for every dtype
         flat = torch.empty(total, dtype=torch.uint8)
         threads = torch.get_num_threads()  # torchrun sets 1; page faults are the cost, so use this rank's cores
-        torch.set_num_threads(max(threads, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        torch.set_num_threads(max(threads, cores_per_rank()))
         try:
             flat.zero_()
         finally:

@@ -164,6 +164,10 @@ class ParallelConfig:
     gathered block in memory."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory (CPUOffloadPolicy)."""
+    offload_threads: int = 0
+    """Threads each rank's AdamW step runs on in host memory under cpu_offload; 0: the rank's share of the cores it
+    may use (its CPU affinity divided among the node's ranks). torchrun gives each of several ranks one thread,
+    which streams about 20 GB/s; set 1 to keep that, where other work shares the host's cores."""
     compile: bool = False
     """torch.compile each block (after activation checkpointing, before sharding) and the loss. CUDA only."""
     defer_grad_sync: bool = False
@@ -539,6 +543,9 @@ def validate(cfg: Config, world_size: int, device_type: str, own_model: bool = F
                           "add --data.source tokens, or unset data.path")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers={cfg.data.num_workers}: must be >= 0")
+    if cfg.parallel.offload_threads < 0:
+        raise ConfigError(f"parallel.offload_threads={cfg.parallel.offload_threads}: must be >= 0 (0: this rank's "
+                          "share of the host's cores)")
     if cfg.checkpoint.keep < 1 or cfg.checkpoint.write_threads < 1:
         raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep} and checkpoint.write_threads="
                           f"{cfg.checkpoint.write_threads}: both must be >= 1")

@@ -48,6 +48,13 @@ def launched_rank_and_world_size() -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def cores_per_rank() -> int:
+    """This rank's share of the cores the process may run on (its CPU affinity, which Slurm and container runtimes
+    narrow), split evenly among the node's ranks (LOCAL_WORLD_SIZE); at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def copy_engines_can_all_gather(world_size: int) -> bool:
     """Whether NCCL can run FSDP2's all-gathers on the copy engines (parallel.copy_engine_all_gather): every rank on
     this host, whose GPUs the engines copy between, NCCL 2.28 or later, whose zero-CTA policy uses them, and its

@@ -196,6 +196,9 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
         torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory.limit_gib * GiB / total), device)
     if cfg.memory.oom_snapshot and device.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=100_000)
+    if cfg.parallel.cpu_offload:  # AdamW steps on the host, the one CPU-bound phase of a step
+        cores = max(torch.get_num_threads(), distributed.cores_per_rank())
+        torch.set_num_threads(cfg.parallel.offload_threads or cores)
 
     mesh = distributed.build_mesh(device.type, dp_replicate, dp_shard)
     model, args = build_model(cfg, mesh, device, model_fn)
@@ -235,9 +238,10 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
             policy = os.environ.get("NCCL_CTA_POLICY", "unset")
             all_gather = (f" | all-gathers in NCCL symmetric memory, NCCL_CTA_POLICY={policy}"
                           if copy_engines_all_gather(cfg, info.world_size) else "")
+            offload = f" | host AdamW on {torch.get_num_threads()} threads" if cfg.parallel.cpu_offload else ""
             logger.info(f"model {name}: {num_params / 1e6:,.1f}M parameters | mesh "
                         f"{dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))} | {param_dtype} compute | "
-                        f"global batch {global_batch} x {t.seq_len} tokens | ac {cfg.ac.mode}{all_gather}")
+                        f"global batch {global_batch} x {t.seq_len} tokens | ac {cfg.ac.mode}{all_gather}{offload}")
         metrics = Metrics(device=device, total_steps=t.steps, tokens_per_step=global_batch * t.seq_len,
                           world_size=info.world_size, output_dir=output_dir, is_main=info.is_main,
                           flops_per_token=flops_per_token(model, args, t.seq_len, num_params),

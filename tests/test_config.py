@@ -99,6 +99,7 @@ def test_impossible_mesh_is_rejected(replicate, shard, world, message):
     ("memory", "oom_snapshot", True, "memory.oom_snapshot needs a CUDA GPU"),
     ("profile", "memory_snapshot", True, "profile.memory_snapshot records the steps of profile.steps, which is not"),
     ("parallel", "prefetch", 0, "parallel.prefetch=0: must be at least 1"),
+    ("parallel", "offload_threads", -1, "parallel.offload_threads=-1: must be >= 0 (0: this rank's share"),
     ("train", "loss_chunk_tokens", -1, "train.loss_chunk_tokens=-1: must be >= 0"),
     ("train", "gc_every", -1, "train.gc_every=-1: must be >= 0"),
     ("parallel", "keep_gathered", 5, "parallel.keep_gathered=5: must be between 0 and the model's 4 blocks"),

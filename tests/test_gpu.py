@@ -80,7 +80,11 @@ def test_compiled_loss_matches_eager_and_makes_no_float32_copy_of_the_logits():
 
 
 def test_cpu_offload_trains(info, tmp_path):
+    from fsdp_trainer.distributed import cores_per_rank
+
+    threads = max(torch.get_num_threads(), cores_per_rank())
     history = _run(info, tmp_path, parallel={"cpu_offload": True}, train={"steps": 10})["history"]
+    assert torch.get_num_threads() == threads  # the host AdamW on this rank's cores
     assert history[-1]["loss"] < history[0]["loss"]
 
 
@@ -216,18 +220,21 @@ def test_gradients_in_the_compute_pool_refuse_accumulation_with_sync_on_every_mi
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cpu_offload_trains_on_two_gpus(tmp_path):
-    """With the gradients in host memory, the global gradient norm is all-reduced over gloo beside NCCL."""
+    """With the gradients in host memory, the global gradient norm is all-reduced over gloo beside NCCL, and each
+    rank's host AdamW runs on its half of the cores, not the one thread torchrun gives it."""
+    import os
     import subprocess
     import sys
 
     out = tmp_path / "offload"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "fsdp_trainer.train",
-                    "--model.name", "debug", "--train.steps", "4", "--train.log_every", "1", "--data.source",
-                    "synthetic", "--parallel.cpu_offload", "--parallel.no_compile", "--train.output_dir", str(out),
-                    "--checkpoint.interval", "0", "--checkpoint.no_save_final", "--metrics.no_tensorboard"],
-                   check=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
+                          "fsdp_trainer.train", "--model.name", "debug", "--train.steps", "4", "--train.log_every",
+                          "1", "--data.source", "synthetic", "--parallel.cpu_offload", "--parallel.no_compile",
+                          "--train.output_dir", str(out), "--checkpoint.interval", "0", "--checkpoint.no_save_final",
+                          "--metrics.no_tensorboard"], check=True, timeout=300, capture_output=True, text=True)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(row["grad_norm"] > 0 for row in rows)
+    assert f"host AdamW on {max(1, len(os.sched_getaffinity(0)) // 2)} threads" in run.stderr
 
 
 def test_a_profiled_memory_snapshot_leaves_the_oom_history_recording(info, tmp_path):

@@ -532,6 +532,19 @@ def test_garbage_is_collected_only_at_the_scheduled_steps(tmp_path):
     assert all(automatic["automatic"]) and collections_during_steps(automatic, 7)
 
 
+def test_each_rank_takes_its_share_of_the_cores_it_may_use(monkeypatch):
+    """What CPU offload's host AdamW and the checkpoint staging run on: the process's allowed cores (its affinity,
+    not the machine's count) split among the node's ranks, at least one each."""
+    monkeypatch.setattr(distributed.os, "sched_getaffinity", lambda pid: set(range(10)), raising=False)
+    monkeypatch.setattr(distributed.os, "cpu_count", lambda: 64)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert distributed.cores_per_rank() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert distributed.cores_per_rank() == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert distributed.cores_per_rank() == 10
+
+
 def test_a_resumed_schedule_follows_the_current_lr_and_length():
     """Resuming with another optim.lr or train.steps: the saved step count stays, the rate comes from this run."""
     from fsdp_trainer.optim import follow_current_schedule
