@@ -108,10 +108,11 @@ INTER_NODE_BUS_BW = 40e9
 """Per GPU across nodes: 400 Gb/s InfiniBand per GPU at ~80%."""
 PCIE_BW = 25e9
 """Host <-> GPU copies of pinned memory (PCIe 5 x16 achieved), for CPU offload."""
-HOST_ADAMW_BW = 20e9
-"""Bytes/s one process's fused CPU AdamW streams through host memory under CPU offload, on the one thread torchrun
-gives each of several processes (OMP_NUM_THREADS=1): 19.8-20.8 GB/s on the host of a 1 x H200 machine, where the
-foreach form streamed 3.9-4.5 and 16 threads 115 (benchmarks/results/2026-11-29-H200x1/host_adamw.txt)."""
+HOST_ADAMW_BW = 115e9
+"""Bytes/s of host memory that one node's ranks stream together through the fused CPU AdamW under CPU offload, each on
+its share of the cores (parallel.offload_threads=0): on the 16-core host of a 1 x H200 machine, one rank on 16
+threads 118.7 GB/s, two on 8 each 108.3, four on 4 each 114.7, where one thread alone streams 20
+(benchmarks/results/2026-11-29-H200x1/host_adamw.json). Memory bandwidth, not cores, is then the limit."""
 GATHER_COPY_SECONDS_PER_BYTE = 1.3e-3 / GiB
 """Compute-stream time of FSDP2's copies per all-gathered byte: 32 fewer re-gathers of the 8B's blocks (13.6 GiB
 per step) made a 4 x H200 step 18 ms shorter (benchmarks/README.md, keeping blocks gathered)."""
@@ -489,8 +490,9 @@ def _step_seconds(s: _Setup) -> float:
     if s.offload:
         shard = s.shard_numel()
         copies = 4 * shard * (s.accum * (numel + resharded) / numel + reduces)  # float32 shards in, gradients out
-        # AdamW reads parameter, gradient and both moments and writes back three of them: 28 bytes per element.
-        offload = copies / PCIE_BW + 28 * shard / HOST_ADAMW_BW
+        # AdamW reads parameter, gradient and both moments and writes back three of them: 28 bytes per element, for
+        # every rank of the node at once.
+        offload = copies / PCIE_BW + 28 * shard * min(s.gpus_per_node, s.gpus) / HOST_ADAMW_BW
     kernels = 0.0 if s.symmetric_all_gather or s.shard == 1 else gathered * NCCL_ALL_GATHER_SECONDS_PER_BYTE
     return max(compute, comm) + gathered * GATHER_COPY_SECONDS_PER_BYTE + kernels + offload
 

@@ -515,7 +515,7 @@ def test_a_one_block_model_is_offered_only_settings_the_trainer_accepts():
 
 def test_more_gpus_at_the_same_speed_come_before_cpu_offload():
     """Cost is time per token per GPU, GPU hours per token: more GPUs at the same speed per GPU are cheaper than
-    a 13x slower CPU offload, and the list says so in its order."""
+    a 5.6x slower CPU offload, and the list says so in its order."""
     p = plan(parse_args(["--config", str(ROOT / "configs/llama3_8b.toml")]), 1, 80 * GiB)
     changes = [s.change for s in p.suggestions]
     assert not p.fits and changes == [{"gpus": 4}, {"parallel.cpu_offload": True}]
