@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import time
 
 import torch
 
+from fsdp_trainer.distributed import cores_per_rank
 from results import exit_if_failed, write_results
 
 BYTES_PER_ELEMENT = 28
@@ -26,10 +26,7 @@ BYTES_PER_ELEMENT = 28
 
 def step_rank(ranks: int, threads: int, impl: str, numel: int, steps: int, barrier, results) -> None:
     """One rank: `steps` AdamW steps after a first, each started with the other ranks; puts its mean seconds."""
-    os.environ["LOCAL_WORLD_SIZE"] = str(ranks)  # what cores_per_rank divides the cores among, as under torchrun
-    from fsdp_trainer.distributed import cores_per_rank
-
-    torch.set_num_threads(threads or cores_per_rank())
+    torch.set_num_threads(threads or cores_per_rank(ranks))
     params = [torch.nn.Parameter(torch.randn(numel // 4)) for _ in range(4)]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -71,8 +68,7 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=64 * 2**20, help="float32 elements per rank (4 tensors)")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"{cores} cores; {BYTES_PER_ELEMENT} bytes per element")
+    print(f"{cores_per_rank(1)} cores; {BYTES_PER_ELEMENT} bytes per element")
     print(f"{'ranks':>5} {'threads':>7} {'impl':>7} {'ms/step':>8} {'GB/s/rank':>9} {'GB/s':>6}")
     rows = []
     for ranks in args.ranks:

@@ -1476,7 +1476,7 @@ def _verify(named: str) -> None:
     checkpoint = resolve(named, "checkpoint")
     fix = f"copy it again from where it was saved; or {ways_past(checkpoint.path)}"
     read_metadata(checkpoint, fix)
-    with checked(checkpoint, None, fix, threads=os.cpu_count() or 1) as report:
+    with checked(checkpoint, None, fix, threads=cores_per_rank(1)) as report:
         pass
     if not report:
         raise CheckpointError(f"checkpoint {checkpoint.path}: {NO_CHECKSUMS}, so it cannot be verified")

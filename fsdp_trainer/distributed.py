@@ -10,6 +10,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -48,11 +49,12 @@ def launched_rank_and_world_size() -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def cores_per_rank() -> int:
+def cores_per_rank(ranks_on_node: Optional[int] = None) -> int:
     """This rank's share of the cores the process may run on (its CPU affinity, which Slurm and container runtimes
-    narrow), split evenly among the node's ranks (LOCAL_WORLD_SIZE); at least 1."""
+    narrow), split evenly among the node's ranks (`ranks_on_node`, else LOCAL_WORLD_SIZE); at least 1. With
+    ranks_on_node=1, all of them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, cores // (ranks_on_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def copy_engines_can_all_gather(world_size: int) -> bool:

@@ -306,6 +306,10 @@ class _Setup:
     def pbytes(self) -> int:
         return DTYPE_BYTES[self.param_dtype]
 
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.gpus_per_node, self.gpus)
+
     def shard_numel(self, groups: Sequence[Group] | None = None) -> int:
         return sum(g.shard_numel(self.shard) for g in (self.groups if groups is None else groups))
 
@@ -492,7 +496,7 @@ def _step_seconds(s: _Setup) -> float:
         copies = 4 * shard * (s.accum * (numel + resharded) / numel + reduces)  # float32 shards in, gradients out
         # AdamW reads parameter, gradient and both moments and writes back three of them: 28 bytes per element, for
         # every rank of the node at once.
-        offload = copies / PCIE_BW + 28 * shard * min(s.gpus_per_node, s.gpus) / HOST_ADAMW_BW
+        offload = copies / PCIE_BW + 28 * shard * s.ranks_per_node / HOST_ADAMW_BW
     kernels = 0.0 if s.symmetric_all_gather or s.shard == 1 else gathered * NCCL_ALL_GATHER_SECONDS_PER_BYTE
     return max(compute, comm) + gathered * GATHER_COPY_SECONDS_PER_BYTE + kernels + offload
 
@@ -502,7 +506,7 @@ def _host_bytes_per_node(s: _Setup) -> int:
     moments (the fused CPU step allocates no temporaries)."""
     if not s.offload:
         return 0
-    return 16 * s.shard_numel() * min(s.gpus_per_node, s.gpus)
+    return 16 * s.shard_numel() * s.ranks_per_node
 
 
 def _staging_bytes_per_node(cfg: Config, s: _Setup) -> int:
@@ -510,7 +514,7 @@ def _staging_bytes_per_node(cfg: Config, s: _Setup) -> int:
     moments (async_pinned keeps it pinned for the whole run, async during each save)."""
     if cfg.checkpoint.async_mode == "none":
         return 0
-    return 12 * s.shard_numel() * min(s.gpus_per_node, s.gpus)
+    return 12 * s.shard_numel() * s.ranks_per_node
 
 
 # -- the plan --------------------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -32,7 +31,7 @@ from fsdp_trainer.checkpoint import (CONFIG, CheckpointError, check_shapes, chec
                                      own_model_class, read_metadata, resolve, saved_config, shapeless_changes,
                                      tensor_shapes)
 from fsdp_trainer.config import Config, to_toml
-from fsdp_trainer.distributed import logger
+from fsdp_trainer.distributed import cores_per_rank, logger
 from fsdp_trainer.models.llama import ModelArgs, Transformer, build, model_args_from_config
 
 
@@ -119,7 +118,7 @@ def load_consolidated(path: Path, checksums: bool = True) -> tuple[dict[str, tor
     state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    with checked(checkpoint, None, fix, threads=os.cpu_count() or 1, enabled=checksums):
+    with checked(checkpoint, None, fix, threads=cores_per_rank(1), enabled=checksums):
         load_dcp({"model": state}, path, None, fix)
     if args.tie_embeddings:
         if not torch.equal(state["output.weight"], state["tok_embeddings.weight"]):

@@ -80,9 +80,7 @@ def test_compiled_loss_matches_eager_and_makes_no_float32_copy_of_the_logits():
 
 
 def test_cpu_offload_trains(info, tmp_path):
-    from fsdp_trainer.distributed import cores_per_rank
-
-    threads = max(torch.get_num_threads(), cores_per_rank())
+    threads = max(torch.get_num_threads(), distributed.cores_per_rank())
     history = _run(info, tmp_path, parallel={"cpu_offload": True}, train={"steps": 10})["history"]
     assert torch.get_num_threads() == threads  # the host AdamW on this rank's cores
     assert history[-1]["loss"] < history[0]["loss"]
