@@ -15,7 +15,7 @@ import subprocess
 
 import torch
 
-from fsdp_trainer.doctor import bus_factor, last_report
+from fsdp_trainer.tools.doctor import bus_factor, last_report
 from results import exit_if_failed, print_table, write_results
 from runs import emit, error_line, reported_row, run, torchrun
 
@@ -72,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return bare_all_reduce()
-    rows = doctor_rows(run([*torchrun(args.nproc), "-m", "fsdp_trainer.doctor", "--json"]))
+    rows = doctor_rows(run([*torchrun(args.nproc), "-m", "fsdp_trainer.tools.doctor", "--json"]))
     rows.append(bare_row(run([*torchrun(args.nproc), __file__, "--worker"])))
     print_table(rows, COLUMNS)
     write_results("collectives", rows, gpus=args.nproc)

@@ -28,7 +28,7 @@ from fsdp_trainer.config import ConfigError, mesh_shape, parse_args, resolve_par
 from fsdp_trainer.data import build_dataloader, build_dataset, samples_per_step, stop_workers
 from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler
-from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile
+from fsdp_trainer.parallelize import init_weights, DTYPES, apply_ac, apply_compile
 from results import exit_if_failed, print_table, write_results
 from runs import emit, reported_row, run, torchrun
 
@@ -50,7 +50,7 @@ def prepare(mode: str, cfg, info: distributed.DistInfo):
     apply_ac(model, blocks, cfg.ac.mode, cfg.ac.every)
     if cfg.parallel.compile:
         apply_compile(model, blocks)
-    model.init_weights(cfg.train.seed)
+    init_weights(model, device, seed=cfg.train.seed)
     # broadcast_buffers=False: its one buffer, RoPE's table, is computed alike on every rank, and FSDP2 sends none;
     # broadcast before every forward, it would add a collective to DDP's side only. The old name on purpose: torch
     # 2.11 has no forward_sync_buffers, and 2.13 only warns that it renamed the flag.

@@ -186,9 +186,9 @@ PY
     plan)
       python3 benchmarks/plan_accuracy.py ;;
     capped)
-      python3 -m fsdp_trainer.plan --config configs/llama3_8b.toml --model.n_layers 34 --ac.mode full \
+      python3 -m fsdp_trainer.tools.plan --config configs/llama3_8b.toml --model.n_layers 34 --ac.mode full \
         --gpus 8 --gpu-memory 47.4GiB
-      python3 -m fsdp_trainer.plan --config configs/llama3_8b.toml --model.n_layers 34 --ac.mode full \
+      python3 -m fsdp_trainer.tools.plan --config configs/llama3_8b.toml --model.n_layers 34 --ac.mode full \
         --gpus "$NGPU" --gpu-memory 47.4GiB
       throughput --config configs/llama3_8b.toml --steps 30 --name llama_8.5b_capped_47GiB \
         --variant "8.5B fullAC=--model.n_layers 34 --ac.mode full" \

@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
-from fsdp_trainer.profiling import category
+from fsdp_trainer.tools.profiling import category
 
 
 def kernel_totals(trace: dict) -> dict[str, dict[str, list[float]]]:

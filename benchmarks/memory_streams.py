@@ -1,6 +1,6 @@
 """Where a run's reserved GPU memory sits, stream by stream, from a `--profile.memory_snapshot` file: the caching
 allocator lends a stream's freed memory to that stream only, so memory one stream reserves is out of the others'
-reach. For checking the memory planner's reserved estimate term by term (fsdp_trainer/plan.py, `_reserved`).
+reach. For checking the memory planner's reserved estimate term by term (fsdp_trainer/tools/plan.py, `_reserved`).
 
     python benchmarks/memory_streams.py outputs/profile/memory_rank0_steps2-2.pickle [--top 8]
 

@@ -15,9 +15,9 @@ Runbook:
     # `bash launch/relay_signals.sh torchrun ...` and signal that script, or on each node signal torchrun's
     # children, once they have logged: `pkill -USR1 -P <torchrun's pid>` (`pkill -f fsdp_trainer.train` matches
     # torchrun itself too). In a rank's first seconds, while it imports torch, a signal still kills it.
-    python -m fsdp_trainer.checkpoint list outputs/checkpoints
-    python -m fsdp_trainer.checkpoint verify outputs/checkpoints/step_00000200        # e.g. after copying it
-    python -m fsdp_trainer.checkpoint export outputs/checkpoints/step_00000200 exported/  # model.pt (+ HF Llama)
+    python -m fsdp_trainer.tools.checkpoints list outputs/checkpoints
+    python -m fsdp_trainer.tools.checkpoints verify outputs/checkpoints/step_00000200        # e.g. after copying it
+    python -m fsdp_trainer.tools.checkpoints export outputs/checkpoints/step_00000200 exported/  # model.pt (+ HF Llama)
     python -m fsdp_trainer.train --checkpoint.init_from hf:exported/ ...                  # fine-tune from those
 
 Layout of <checkpoint.dir>/step_00000200/:
@@ -79,8 +79,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_trainer.config import Config, ConfigError, checkpoint_root, from_dict, mesh_shape, to_toml
 from fsdp_trainer.data import fsync_folder, samples_per_step, write_atomic
-from fsdp_trainer.distributed import DistInfo, cores_per_rank, logger
-from fsdp_trainer.faults import ATTEMPT, BACKSTOP_S, Watchdog, spans
+from fsdp_trainer.distributed import ATTEMPT, BACKSTOP_S, DistInfo, cores_per_rank, logger, spans
 from fsdp_trainer.models.llama import Transformer, model_args_from_config
 
 MARKER = "trainer_state.json"
@@ -951,7 +950,7 @@ class Checkpointer:
         self._marked_step: Optional[int] = None  # this rank's last WRITTEN mark
 
     # -- resume ------------------------------------------------------------------------------------------
-    def restore(self) -> Progress:
+    def restore(self, load_initial_weights: Callable[[], None] = lambda: None) -> Progress:
         """Resume from a checkpoint (checkpoint.resume), else load checkpoint.init_from weights, else start
         fresh; logs which. Raises CheckpointError, on every rank, for a checkpoint that cannot be used. A
         checkpoint at or past train.steps is only checked, not loaded: there is nothing left to train.
@@ -968,9 +967,7 @@ class Checkpointer:
         else:
             self._saved_step = 0  # nothing to save before the first step
             if c.init_from:
-                from fsdp_trainer.weights import load_weights  # imported here: weights.py imports this module
-                load_weights(self.model, c.init_from, model_args_from_config(self.cfg.model), self.group,
-                             c.write_threads if c.checksums else 0)
+                load_initial_weights()
                 logger.info(f"initialized the model from {c.init_from}; fresh optimizer, step 0")
             progress = Progress()
         self.votes.start(stop=self.signals.received is not None, save=False)
@@ -1166,14 +1163,14 @@ class Checkpointer:
 
     # -- during training ---------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def training(self, watchdog: Optional[Watchdog] = None, before_save: Callable[[], int] = lambda: 0):
+    def training(self, paused: Callable[[], Any] = contextlib.nullcontext, before_save: Callable[[], int] = lambda: 0):
         """Around the training loop. Each save calls before_save first, the trainer's non-finite check: it raises
         to veto the save, and returns the run's count of skipped steps, which the checkpoint keeps. The watchdog
         is paused while a save blocks training, and only then: a rank that waits for the stop/save vote is
         watched, so that a peer's hang is reported by it too. If training fails inside, a save begun before the
         failure still counts once it completes."""
         self.before_save = before_save
-        self._paused = watchdog.paused if watchdog is not None else contextlib.nullcontext
+        self._paused = paused
         try:
             yield
         except BaseException:
@@ -1448,72 +1445,3 @@ def _delete(paths: list[tuple[Path, str]]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- CLI
-
-def _list(root: str) -> None:
-    if not Path(root).is_dir():
-        raise CheckpointError(f"{root}: no such folder; give a checkpoint folder (<train.output_dir>/checkpoints "
-                              "unless checkpoint.dir says otherwise)")
-    found = list_checkpoints(Path(root))
-    if not found:
-        nested, parent = Path(root) / "checkpoints", Path(root).resolve().parent
-        hint = f"; did you mean its checkpoints folder, {nested}?" if nested.is_dir() else ""
-        if _STEP_DIR.match(Path(root).resolve().name) or (Path(root) / ".metadata").exists():
-            hint = f"; it is a checkpoint itself: list the folder that holds it, {parent}"
-        print(f"{root}: no checkpoints (no step_* folders){hint}")
-    for step, path in found:
-        reason = incomplete_reason(path)
-        state, problem = _read_marker(path) if reason is None else (None, None)
-        if reason is not None:
-            print(f"{path}  INCOMPLETE: it {reason}")
-        elif problem is not None:
-            print(f"{path}  UNUSABLE: it {problem}")
-        else:
-            print(f"{path}  complete  step {step}, {state['consumed_samples']:,} samples, "
-                  f"{_size_bytes(path) / 1e9:.3f} GB, saved on {_ranks(state['world_size'])} at {state['saved_at']}")
-
-
-def _verify(named: str) -> None:
-    checkpoint = resolve(named, "checkpoint")
-    fix = f"copy it again from where it was saved; or {ways_past(checkpoint.path)}"
-    read_metadata(checkpoint, fix)
-    with checked(checkpoint, None, fix, threads=cores_per_rank(1)) as report:
-        pass
-    if not report:
-        raise CheckpointError(f"checkpoint {checkpoint.path}: {NO_CHECKSUMS}, so it cannot be verified")
-    print(f"{checkpoint.path}: {report[0]}")
-
-
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_trainer.checkpoint", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("export", help="write a checkpoint's weights as model.pt and a Hugging Face Llama")
-    p.add_argument("checkpoint", help="a step_* folder, or a checkpoint folder (its newest complete checkpoint)")
-    p.add_argument("out_dir", help="folder for model.pt, config.toml, and config.json + model.safetensors")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved)")
-    p.add_argument("--no-checksums", dest="checksums", action="store_false",
-                   help="do not check the files against the checksums the save recorded (to salvage what a damaged "
-                        "checkpoint still holds)")
-    p = commands.add_parser("list", help="list the checkpoints in a folder, complete or not (and why not)")
-    p.add_argument("dir", help="a checkpoint folder (<output_dir>/checkpoints by default)")
-    p = commands.add_parser("verify", help="check every file of a checkpoint against the size and CRC32 its save "
-                            "recorded (after copying it, say)")
-    p.add_argument("checkpoint", help="a step_* folder, or a checkpoint folder (its newest complete checkpoint)")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "list":
-            _list(args.dir)
-        elif args.command == "verify":
-            _verify(args.checkpoint)
-        else:
-            from fsdp_trainer.weights import export  # imported here: weights.py imports this module
-            export(args.checkpoint, args.out_dir, getattr(torch, args.dtype) if args.dtype else None,
-                   checksums=args.checksums)
-    except (CheckpointError, ConfigError) as err:
-        parser.exit(2, f"error: {err}\n")
-
-
-if __name__ == "__main__":
-    # Run as a script, this file is __main__, a second copy of fsdp_trainer.checkpoint; weights.py raises the
-    # package copy's CheckpointError, which only the package copy's main() catches.
-    from fsdp_trainer.checkpoint import main as package_main
-    package_main()

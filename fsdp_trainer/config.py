@@ -157,7 +157,7 @@ class ParallelConfig:
     """With reshard_after_forward=default, also keep the last N blocks' gathered parameters from forward through
     their backward: per block, one all-gather and its copies fewer per step, for one block's parameters in
     param_dtype more at the peak (Llama 3 8B: 0.41 GiB a block). On 4 H200s, all 32 blocks of the 8B made compiled
-    per-op AC 1.9-2.3% faster (two sweeps) for 12.6 GiB more; `python -m fsdp_trainer.plan` gives the memory for any N."""
+    per-op AC 1.9-2.3% faster (two sweeps) for 12.6 GiB more; `python -m fsdp_trainer.tools.plan` gives the memory for any N."""
     prefetch: int = 1
     """Blocks all-gathered ahead of the running one, in forward and backward. 1 is FSDP2's own schedule; 2 issues
     each all-gather a block earlier, which helps when the CPU cannot run far enough ahead of the GPU, for one more
@@ -555,7 +555,6 @@ def validate(cfg: Config, world_size: int, device_type: str, own_model: bool = F
         raise ConfigError("profile.memory_snapshot records the steps of profile.steps, which is not set; add "
                           "--profile.steps a:b (e.g. 10:12)")
     if cfg.profile.steps:
-        from fsdp_trainer.profiling import parse_steps
         try:
             first, last = parse_steps(cfg.profile.steps)
         except ValueError as err:
@@ -619,3 +618,14 @@ def check_output_dirs(cfg: Config) -> None:
             reason = "a file is in the way" if isinstance(err, (FileExistsError, NotADirectoryError)) else err.strerror
             raise ConfigError(f"{name}: cannot create or write the folder {folder} ({reason}); choose a folder "
                               "this user can write on every node") from None
+
+
+def parse_steps(spec: str) -> tuple[int, int]:
+    """'a:b' -> (a, b), the first and last step to record (1-based, inclusive)."""
+    try:
+        first, last = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"profile.steps={spec!r}: expected 'a:b', e.g. 10:12") from None
+    if not 1 <= first <= last:
+        raise ValueError(f"profile.steps={spec!r}: need 1 <= a <= b")
+    return first, last

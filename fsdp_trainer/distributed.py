@@ -18,6 +18,25 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 logger = logging.getLogger("fsdp_trainer")
 
+# How far the process groups' own timeout trails the watchdog's, for the watchdog to notice (up to a poll late), hear
+# the other ranks and report first: the group's timeout ends a waiting rank (gloo raises, NCCL aborts) without a word
+# on the suspect, and the report of the rank that times out next would call it dead.
+BACKSTOP_S = 60
+# Per torchrun restart: a restarted job must not read the reports or the alarm of the attempt before.
+# Per torchrun restart: a restarted job must not read the reports or the alarm of the attempt before.
+ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def spans(ranks: list[int]) -> str:
+    """Ascending ranks as runs, "0-3, 5, 7-8": a job of thousands of ranks fits a line."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{first}-{last}" if last > first else str(first) for first, last in runs)
+
 
 @dataclass(frozen=True)
 class DistInfo:

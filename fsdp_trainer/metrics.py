@@ -142,7 +142,7 @@ class Metrics:
             self.warned_retries = True
             logger.warning(f"by step {step} the CUDA caching allocator has run out {memory['alloc_retries']} times, "
                            f"emptied its cache and retried (reserved {memory['mem_reserved_gib']:.1f} GiB). Each retry "
-                           "stalls the GPU: this run is at its memory limit. `python -m fsdp_trainer.plan` with the "
+                           "stalls the GPU: this run is at its memory limit. `python -m fsdp_trainer.tools.plan` with the "
                            "same flags shows what it needs and what to change")
         row.update(self._largest_over_ranks({**memory, **self.phases.read()}))
         row.update(extra or {})

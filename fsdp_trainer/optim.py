@@ -85,3 +85,68 @@ def clip_grad_norm(model: nn.Module, max_norm: float, optimizer: Optional[torch.
     else:
         clip_grads_with_norm_(params, max_norm, total_norm, foreach=True)  # takes the parameters, not the grads
     return total_norm
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+MIN_LOSS_SCALE = 1.0
+"""float16's loss scale below which a run has diverged: the scaler halves it at every overflow, and under 1 the
+gradients overflow even unscaled."""
+
+
+_NONFINITE_FIXES = "Lower optim.lr, raise optim.warmup_steps, check the data around that step"
+
+
+class NonFiniteGuard:
+    """Skips optimizer updates whose global grad norm is not finite, without a host sync on GPU.
+
+    Fused AdamW (optim.build_optimizer's) accepts a `found_inf` tensor and then leaves weights, moments and step
+    count untouched, all on the device.
+    The count of skipped steps and the first one's number are read on logging steps and before checkpoints.
+    A resumed run starts from the step and the count of skipped steps of its checkpoint: both are the whole run's.
+    With float16 the loss scaler skips overflowing steps itself, as part of finding its scale, so they are not
+    counted: the run stops instead when the scale falls below MIN_LOSS_SCALE."""
+
+    def __init__(self, device: torch.device, mode: str, max_skipped: int, start_step: int = 0, skipped: int = 0,
+                 scaler: Optional[torch.amp.GradScaler] = None):
+        self.scaler = scaler
+        self.mode, self.max_skipped, self.step_number = mode, max_skipped, start_step
+        self.skipped_before = skipped
+        self.skipped = torch.full((), skipped, device=device, dtype=torch.int64)
+        self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)
+
+    def step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+        """optimizer.step(), unless grad_norm is not finite."""
+        self.step_number += 1
+        bad = ~torch.isfinite(grad_norm)
+        self.skipped += bad
+        self.first_bad = torch.where(bad & (self.first_bad < 0), self.step_number, self.first_bad)
+        optimizer.found_inf = bad.float()
+        optimizer.step()
+
+    def check(self) -> int:
+        """Raise if the configured limit is exceeded; return the number of skipped steps. A host sync."""
+        if self.scaler is not None and self.scaler.get_scale() < MIN_LOSS_SCALE:
+            raise NonFiniteError(
+                f"the float16 loss scale fell to {self.scaler.get_scale():g}: the gradients overflow even unscaled, "
+                "so every step is skipped. Lower optim.lr, raise optim.warmup_steps, check the data, or train in "
+                "bfloat16 on a GPU that has it.")
+        skipped = int(self.skipped.item())
+        # stop: any non-finite step since this run started; skip: more than max_skipped in the whole run, which may
+        # all predate the resume if the limit was lowered.
+        if self.mode == "stop" and skipped > self.skipped_before:
+            raise NonFiniteError(
+                f"non-finite loss or gradient norm at step {int(self.first_bad.item())} (train.on_nonfinite=stop). "
+                f"Its update was not applied and no checkpoint was written after it. {_NONFINITE_FIXES}, or set "
+                "train.on_nonfinite=skip to skip such steps.")
+        if self.mode == "skip" and skipped > self.max_skipped:
+            first = int(self.first_bad.item())
+            since = (f"the first of this run at step {first}" if first >= 0 else
+                     "all before the checkpoint this run resumed from")
+            raise NonFiniteError(
+                f"{skipped} steps with a non-finite loss or gradient norm were skipped ({since}), more than "
+                f"train.max_skipped_steps={self.max_skipped}. None of their updates was applied. {_NONFINITE_FIXES}, "
+                "or raise train.max_skipped_steps.")
+        return skipped

@@ -42,16 +42,18 @@ from fsdp_trainer.config import (Config, ConfigError, check_block_counts, check_
 from fsdp_trainer.data import (DataError, build_dataloader, build_dataset, check_enough_samples, samples_per_step,
                                stop_workers)
 from fsdp_trainer.distributed import logger
-from fsdp_trainer.faults import (RESTORING, NonFiniteError, NonFiniteGuard, Watchdog, describe_oom,
-                                  enable_flight_recorder, requested_bytes)
 from fsdp_trainer.loss import compiled_cross_entropy, cross_entropy
 from fsdp_trainer.metrics import GiB, Metrics, PhaseTimer, environment, write_run_info
 from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
-from fsdp_trainer.optim import build_optimizer, build_scheduler, clip_grad_norm, follow_current_schedule
+from fsdp_trainer.optim import (NonFiniteError, NonFiniteGuard, build_optimizer, build_scheduler, clip_grad_norm,
+                                follow_current_schedule)
 from fsdp_trainer.parallelize import (DTYPES, apply_ac, apply_compile, apply_fsdp, check_initializable, check_units,
                                      init_weights)
-from fsdp_trainer.plan import Plan, check_fits, remedy_after_oom
-from fsdp_trainer.profiling import OPTIMIZER_RANGE, StepProfiler
+# The tools this entry point wires in; no other core module imports them.
+from fsdp_trainer.tools.faults import RESTORING, Watchdog, describe_oom, enable_flight_recorder, requested_bytes
+from fsdp_trainer.tools.plan import Plan, check_fits, remedy_after_oom
+from fsdp_trainer.tools.profiling import OPTIMIZER_RANGE, StepProfiler
+from fsdp_trainer.tools.weights import load_weights
 
 
 # A team's own model: `model_fn(cfg)` returns (model, block classes, groups) as README's "Your own model" describes
@@ -217,8 +219,10 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     # Watching from here on, the restore included: a rank stuck in it is named, and the others stop, within
     # dist.init_timeout_s. The `with` stops the watchdog's thread however the set-up below ends.
     with Watchdog(info.rank, info.world_size, cfg.dist.init_timeout_s, cfg.dist.timeout_s, mesh) as watchdog:
+        c = cfg.checkpoint
         with watchdog.doing(RESTORING):
-            progress = ckpt.restore()
+            progress = ckpt.restore(lambda: load_weights(model, c.init_from, model_args_from_config(cfg.model),
+                                                         ckpt.group, c.write_threads if c.checksums else 0))
         follow_current_schedule(scheduler, cfg.optim)
         # A skipped step is numbered, and counted toward max_skipped_steps, in the whole run, not since this resume.
         guard = NonFiniteGuard(device, t.on_nonfinite, t.max_skipped_steps, progress.step, progress.skipped_steps,
@@ -253,7 +257,7 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
         rows_file = start_rows_file(output_dir, progress.step) if info.is_main else None
         history, memory_compared = [], memory_plan is None
         try:
-            with ckpt.training(watchdog, before_save=guard.check), scheduled_gc(t.gc_every) as collect_garbage:
+            with ckpt.training(watchdog.paused, before_save=guard.check), scheduled_gc(t.gc_every) as collect_garbage:
                 while progress.step < t.steps:
                     profiler.before(progress.step + 1)
                     metrics.phases.begin_step()
@@ -508,7 +512,7 @@ def fits_or_exit(cfg: Config, world_size: int, rank: int, own_model: bool = Fals
     memory_plan = check_fits(planned, world_size, torch.cuda.get_device_properties(local_rank).total_memory)
     if not memory_plan.fits and not cfg.memory.ignore_plan:
         raise ConfigError(f"{memory_plan.summary_line()}. Apply a suggested change, or "
-                          "pass --memory.ignore_plan to start anyway. Details: python -m fsdp_trainer.plan "
+                          "pass --memory.ignore_plan to start anyway. Details: python -m fsdp_trainer.tools.plan "
                           "with the same flags")
     if rank == 0:
         print(memory_plan.summary_line(), file=sys.stderr)

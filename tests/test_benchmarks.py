@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_trainer.doctor import FAULT_VAR
+from fsdp_trainer.tools.doctor import FAULT_VAR
 
 from helpers import node_name, side_by_side
 

@@ -28,7 +28,9 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp_trainer import checkpoint as ck
-from fsdp_trainer import distributed, weights
+from fsdp_trainer.tools import checkpoints as ckpt_cli
+from fsdp_trainer import distributed
+from fsdp_trainer.tools import weights
 from fsdp_trainer.config import parse_args
 from fsdp_trainer.models.llama import build, model_args_from_config
 from fsdp_trainer.optim import build_optimizer, build_scheduler
@@ -351,8 +353,8 @@ def test_async_and_sync_saves_hold_the_same_tensors(small, tmp_path):
             # Python's RNG is this test process's, run after run.
             for key in want.keys() - {"rng.rank0.python", "rng.rank0.python_gauss"}:
                 assert same_state(got[key], want[key]), (mode, step, key, (got[key] - want[key]).abs().max())
-        ck.main(["export", str(out / "checkpoints"), str(tmp_path / f"export_{mode}")])
-    ck.main(["export", str(small / "checkpoints"), str(tmp_path / "export_none")])
+        ckpt_cli.main(["export", str(out / "checkpoints"), str(tmp_path / f"export_{mode}")])
+    ckpt_cli.main(["export", str(small / "checkpoints"), str(tmp_path / "export_none")])
     want = torch.load(tmp_path / "export_none/model.pt")
     for mode in ("async", "async_pinned"):
         got = torch.load(tmp_path / f"export_{mode}/model.pt")
@@ -461,7 +463,7 @@ def test_export_and_import_round_trip(tmp_path, tied):
     flags = ["--train.steps", "3", "--checkpoint.async_mode", "none", "--train.output_dir", str(tmp_path / "run"),
              "--model.tie_embeddings", str(tied)]
     trained = full_state(train_in_process(*flags)["model"])
-    ck.main(["export", str(tmp_path / "run/checkpoints/step_00000003"), str(tmp_path / "export")])
+    ckpt_cli.main(["export", str(tmp_path / "run/checkpoints/step_00000003"), str(tmp_path / "export")])
     exported = torch.load(tmp_path / "export/model.pt")
     assert exported.keys() == trained.keys() and all(torch.equal(exported[k], trained[k]) for k in trained)
     cfg = parse_args([*TINY, *flags])
@@ -552,7 +554,7 @@ def test_export_refuses_a_folder_with_weights_and_import_a_folder_with_two_sets(
     (out / "model-00001-of-00001.safetensors").write_text("an older model")
     before = tree(out)
     with pytest.raises(SystemExit) as exit_info:
-        ck.main(["export", str(small / "checkpoints"), str(out)])
+        ckpt_cli.main(["export", str(small / "checkpoints"), str(out)])
     assert exit_info.value.code == 2
     assert (f"{out} holds model weights already (model-00001-of-00001.safetensors, model.safetensors.index.json); "
             "export into a new or empty folder, or remove those files first") in capsys.readouterr().err
@@ -587,7 +589,7 @@ def test_export_of_a_checkpoint_without_its_config_names_it_and_writes_nothing(s
     else:
         (step / ck.CONFIG).write_text("")
     with pytest.raises(SystemExit) as exit_info:
-        ck.main(["export", str(step), str(tmp_path / "export")])
+        ckpt_cli.main(["export", str(step), str(tmp_path / "export")])
     assert exit_info.value.code == 2
     problem = "is missing" if damage == "missing" else "is unusable (no [model] table: it is empty or cut short)"
     assert (f"checkpoint {step}: its config.toml, the only record of the model's settings, {problem}; copy in the "
@@ -784,9 +786,9 @@ def test_a_marker_changed_since_the_save_is_unusable(small, tmp_path, capsys):
                                                  f"from what the save wrote .*delete its \"{ck.MARKER_SUM}\" line"):
         ck.find_latest(root)
     with pytest.raises(SystemExit):
-        ck.main(["verify", str(ck.step_dir(root, 4))])
+        ckpt_cli.main(["verify", str(ck.step_dir(root, 4))])
     assert f"it has a {ck.MARKER} that differs from what the save wrote" in capsys.readouterr().err
-    ck.main(["list", str(root)])
+    ckpt_cli.main(["list", str(root)])
     assert f"step_00000004  UNUSABLE: it has a {ck.MARKER} that differs" in capsys.readouterr().out
 
     state = json.loads(marker.read_text())
@@ -807,21 +809,21 @@ def test_a_marker_without_the_resume_fields_is_unusable_and_list_says_so(small, 
         (ck.step_dir(root, step) / ck.MARKER).write_text(json.dumps(state))
     with pytest.raises(ck.CheckpointError, match=f"step_00000004 cannot be used: it has a {ck.MARKER} without"):
         ck.find_latest(root)
-    ck.main(["list", str(root)])
+    ckpt_cli.main(["list", str(root)])
     out = capsys.readouterr().out
     assert "step_00000002  complete" in out
     assert (f"step_00000004  UNUSABLE: it has a {ck.MARKER} without consumed_samples (edited, or written by "
             "another version of fsdp_trainer?)") in out
 
-    ck.main(["list", str(tmp_path)])  # the output folder, not its checkpoints folder
+    ckpt_cli.main(["list", str(tmp_path)])  # the output folder, not its checkpoints folder
     assert f"{tmp_path}: no checkpoints (no step_* folders); did you mean its checkpoints folder, {root}?" in \
         capsys.readouterr().out
-    ck.main(["list", str(ck.step_dir(root, 2))])  # a checkpoint, not a folder of them
+    ckpt_cli.main(["list", str(ck.step_dir(root, 2))])  # a checkpoint, not a folder of them
     assert f"{ck.step_dir(root, 2)}: no checkpoints (no step_* folders); it is a checkpoint itself: list the folder " \
         f"that holds it, {root.resolve()}" in capsys.readouterr().out
 
     with pytest.raises(SystemExit) as exit_info:
-        ck.main(["list", str(tmp_path / "nope")])
+        ckpt_cli.main(["list", str(tmp_path / "nope")])
     assert exit_info.value.code == 2
     assert f"{tmp_path / 'nope'}: no such folder" in capsys.readouterr().err
 
@@ -992,7 +994,7 @@ def test_an_unusable_marker_is_an_error_and_never_deleted(small, tmp_path, capfd
         assert f"checkpoint {step4} cannot be used: it has a {ck.MARKER} that is not format 1" in err, resume
         assert f"--checkpoint.resume {step2} --checkpoint.dir <new folder>" in err, resume
     assert tree(root) == before
-    ck.main(["list", str(root)])
+    ckpt_cli.main(["list", str(root)])
     assert f"{step4}  UNUSABLE: it has a {ck.MARKER} that is not format 1" in capfd.readouterr().out
 
     (step4 / ck.MARKER).write_text(json.dumps(state))
@@ -1055,7 +1057,7 @@ def test_verify_names_a_changed_file(small, tmp_path, capsys, name):
     verified, and says so."""
     step = tmp_path / "step_00000004"
     shutil.copytree(small / "checkpoints/step_00000004", step)
-    ck.main(["verify", str(step)])
+    ckpt_cli.main(["verify", str(step)])
     files = len(summed_files(step))
     assert re.fullmatch(rf"{step}: {files} files \([\d.]+ GB\) match their checksums \(\.metadata and {files - 1} "
                         r"data files checked by this process in [\d.]+ s\)\n", capsys.readouterr().out)
@@ -1068,13 +1070,13 @@ def test_verify_names_a_changed_file(small, tmp_path, capsys, name):
             in err, (command, err)
     assert not (tmp_path / "export").exists()
     if name != ".metadata":
-        ck.main(["export", "--no-checksums", str(step), str(tmp_path / "export")])
+        ckpt_cli.main(["export", "--no-checksums", str(step), str(tmp_path / "export")])
         assert (tmp_path / "export/model.pt").is_file()
     plain = tmp_path / "plain" / "step_00000004"
     shutil.copytree(small / "checkpoints/step_00000004", plain)
     drop_checksums(plain)
     with pytest.raises(SystemExit) as exit_info:
-        ck.main(["verify", str(plain)])
+        ckpt_cli.main(["verify", str(plain)])
     assert exit_info.value.code == 2 and f"{ck.NO_CHECKSUMS}, so it cannot be verified" in capsys.readouterr().err
 
 
@@ -1567,7 +1569,7 @@ def test_a_damaged_copy_outside_a_run_s_step_folders_is_not_told_to_be_renamed(s
     shutil.copytree(small / "checkpoints/step_00000004", copy)
     flip_a_bit(copy / "__0_0.distcp")
     with pytest.raises(SystemExit):
-        ck.main(["verify", str(copy)])
+        ckpt_cli.main(["verify", str(copy)])
     err = capsys.readouterr().err
     assert err.rstrip().endswith("copy it again from where it was saved; or use another checkpoint"), err
     assert ".unusable" not in err and "resume auto" not in err

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_trainer import doctor
-from fsdp_trainer.doctor import FAULT_VAR, DoctorArgs, bus_factor, parse_sizes
+from fsdp_trainer.tools import doctor
+from fsdp_trainer.tools.doctor import FAULT_VAR, DoctorArgs, bus_factor, parse_sizes
 
 from helpers import TORCHRUN, checkout_env, node_name, side_by_side
 
@@ -27,7 +27,7 @@ CHECKS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv_
 
 def run_doctor(*args: str, nproc: int = 0, fault: str = "", timeout: float = 60, path: str = "",
                pythonpath: str = ""):
-    """(completed process, seconds) of `python -m fsdp_trainer.doctor`, under torchrun when nproc > 0, with `path`
+    """(completed process, seconds) of `python -m fsdp_trainer.tools.doctor`, under torchrun when nproc > 0, with `path`
     searched first for programs and `pythonpath` for modules."""
     launcher = [*TORCHRUN, f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
     env = {k: v for k, v in checkout_env().items() if k != FAULT_VAR}
@@ -37,7 +37,7 @@ def run_doctor(*args: str, nproc: int = 0, fault: str = "", timeout: float = 60,
     if fault:
         env[FAULT_VAR] = fault
     start = time.monotonic()
-    proc = subprocess.run([*launcher, "-m", "fsdp_trainer.doctor", *args], cwd=ROOT, env=env,
+    proc = subprocess.run([*launcher, "-m", "fsdp_trainer.tools.doctor", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - start
 
@@ -169,7 +169,7 @@ def test_link_verdict_tells_a_host_s_transport_from_the_network():
 def test_failed_run_exits_without_waiting_on_the_group_teardown():
     # Stand-in for NCCL's teardown after a failed collective, which can block for good.
     script = ("import threading\n"
-              "from fsdp_trainer import distributed, doctor\n"
+              "from fsdp_trainer import distributed\nfrom fsdp_trainer.tools import doctor\n"
               "distributed.shutdown = threading.Event().wait\n"
               "doctor.main(['--sizes', '0'])\n")
     env = checkout_env(**{FAULT_VAR: "wrong:rank=0"})
@@ -197,11 +197,11 @@ def test_nonsensical_arguments_are_refused_like_argparse_before_anything_runs(do
     proc, _ = doctor_run.result()
     error = REFUSED[case][2]
     assert proc.returncode == 2 and "== checks" not in proc.stdout and "TIMEOUT" not in proc.stdout
-    assert f"python -m fsdp_trainer.doctor: error: {error}" in proc.stderr, proc.stderr
+    assert f"python -m fsdp_trainer.tools.doctor: error: {error}" in proc.stderr, proc.stderr
 
 
 def test_every_variable_the_trainer_sets_is_explained(tmp_path, monkeypatch):
-    from fsdp_trainer.faults import enable_flight_recorder
+    from fsdp_trainer.tools.faults import enable_flight_recorder
     environ = {k: v for k, v in os.environ.items() if k not in doctor.KNOWN_VARIABLES}
     before = set(environ)
     monkeypatch.setattr(os, "environ", environ)  # a copy, so that nothing set here outlives the test
@@ -388,7 +388,7 @@ def two_node_doctor(fault: str = "", per_node: int = 2) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=doctor-{port}", "--local-addr=127.0.0.1",
-           "-m", "fsdp_trainer.doctor", "--json", "--deadline-s", "5", "--sizes", "0"]
+           "-m", "fsdp_trainer.tools.doctor", "--json", "--deadline-s", "5", "--sizes", "0"]
     agents = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for _ in range(2)]
     outputs = [agent.communicate(timeout=90) for agent in agents]

@@ -91,7 +91,7 @@ class ReportStore:
     """The c10d store as Watchdog.report reads it, holding `reports` (rank: its report's fields)."""
 
     def __init__(self, reports: dict):
-        from fsdp_trainer.faults import REPORT
+        from fsdp_trainer.tools.faults import REPORT
         self.keys = {REPORT.format(rank): json.dumps(fields) for rank, fields in reports.items()}
 
     def check(self, keys):
@@ -103,7 +103,7 @@ class ReportStore:
 
 def report_of(store: ReportStore, rank: int, world_size: int, timeout: float, steady: bool = True) -> str:
     """What rank's watchdog reports from `store`: its report alone, without a thread or a group."""
-    from fsdp_trainer.faults import Watchdog
+    from fsdp_trainer.tools.faults import Watchdog
     watchdog = Watchdog.__new__(Watchdog)
     watchdog.rank, watchdog.world_size, watchdog.store = rank, world_size, store
     watchdog.last_progress, watchdog.timeout, watchdog.steady = time.monotonic(), timeout, steady
@@ -112,7 +112,7 @@ def report_of(store: ReportStore, rank: int, world_size: int, timeout: float, st
 
 def test_a_report_withdrawn_while_it_is_read_is_not_taken_for_a_dead_rank_or_a_dead_store():
     """Rank 1 leaves a checkpoint save, withdrawing its report, between rank 0's check of the key and its read."""
-    from fsdp_trainer.faults import REPORT
+    from fsdp_trainer.tools.faults import REPORT
 
     class Store(ReportStore):
         def get(self, key):
@@ -140,7 +140,7 @@ def test_a_rank_that_answers_the_alarm_busy_is_a_suspect_unless_another_is_behin
 def test_a_rank_busy_restoring_is_the_suspect_and_the_ranks_waiting_for_it_are_listed():
     """Before the first step every rank reports step 0: a rank busy in the restore is named as such, and the ranks
     waiting in its collectives as runs of ranks; the timeout to raise is the first step's."""
-    from fsdp_trainer.faults import RESTORING
+    from fsdp_trainer.tools.faults import RESTORING
 
     reports = {r: [0, "waiting", "all_gather (distributed_c10d.py:1)", True] for r in range(5)}
     reports[2] = [0, RESTORING, "read (storage.py:7)", False]
@@ -155,7 +155,7 @@ def test_a_rank_busy_restoring_is_the_suspect_and_the_ranks_waiting_for_it_are_l
 def test_the_watchdog_s_flight_recorder_dump_does_not_overwrite_nccl_s(tmp_path, monkeypatch, variable):
     """NCCL writes its own dump to <prefix><rank> on its timeout, the prefix from the trainer or the user (under either
     name). The watchdog's dump goes beside it, under a name torchfrtrace's --prefix (a substring) tells apart."""
-    from fsdp_trainer.faults import DUMP_PREFIX_VARIABLES, _dump_flight_recorder, enable_flight_recorder
+    from fsdp_trainer.tools.faults import DUMP_PREFIX_VARIABLES, _dump_flight_recorder, enable_flight_recorder
 
     environ = {k: v for k, v in os.environ.items() if k not in DUMP_PREFIX_VARIABLES}
     if variable:
@@ -179,7 +179,7 @@ def test_a_watchdog_that_cannot_reach_the_store_says_so(tmp_path):
     script = """if True:
         import time
         from fsdp_trainer import distributed
-        from fsdp_trainer.faults import Watchdog
+        from fsdp_trainer.tools.faults import Watchdog
 
         class Gone:  # a c10d store whose host is down
             def __getattr__(self, name):
@@ -201,7 +201,7 @@ def test_a_watchdog_that_cannot_reach_the_store_says_so(tmp_path):
 
 def _group_timeouts(init_timeout_s: float, timeout_s: float) -> list[float]:
     from fsdp_trainer import distributed
-    from fsdp_trainer.faults import Watchdog
+    from fsdp_trainer.tools.faults import Watchdog
 
     distributed.init(60)
     mesh = distributed.build_mesh("cpu", 2, 2)
@@ -243,7 +243,7 @@ def test_a_rank_hung_in_the_restore_is_named_before_the_group_timeout_ends_the_o
     resumes (inside DCP, whose frames are not a wait), and it is named as restoring, rank 0 as waiting for it, with
     the watchdog's exit code. It looks every 5 s (a quarter of dist.timeout_s, at most 5 s): the checkpointer's
     groups, which rank 0 waits in, must trail it, or their own timeout ends rank 0 first with a bare "Timed out"."""
-    from fsdp_trainer.faults import BACKSTOP_S, EXIT_HANG
+    from fsdp_trainer.tools.faults import BACKSTOP_S, EXIT_HANG
 
     proc, _ = launch("hang_restore", "1", 0, tmp_path, "--train.steps", "1")  # nothing to restore: it saves step 1
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -278,7 +278,7 @@ def test_a_restore_is_watched_not_paused_so_a_job_stuck_in_it_on_every_rank_ends
     script = """if True:
         import time
         from fsdp_trainer import distributed
-        from fsdp_trainer.faults import RESTORING, Watchdog
+        from fsdp_trainer.tools.faults import RESTORING, Watchdog
 
         distributed.init(60)
         with Watchdog(0, 1, 2.0, 2.0, distributed.build_mesh("cpu", 1, 1)) as watchdog:
@@ -372,7 +372,7 @@ def test_skip_mode_skips_nonfinite_steps_and_finishes_with_finite_weights(tmp_pa
 
 def test_a_float16_loss_scale_below_1_stops_the_run():
     """The scaler skips overflowing steps itself; a scale halved below 1 means every step overflows unscaled."""
-    from fsdp_trainer.faults import NonFiniteError, NonFiniteGuard
+    from fsdp_trainer.optim import NonFiniteError, NonFiniteGuard
 
     healthy = NonFiniteGuard(torch.device("cpu"), "stop", 10, scaler=torch.amp.GradScaler("cpu", init_scale=2.0))
     assert healthy.check() == 0
@@ -386,7 +386,8 @@ def test_an_oom_names_the_part_of_the_step_it_happened_in():
     as clip_grad_norm's no_grad and the optimizer's hooks, clipping and the optimizer step were reported as the
     forward."""
     from fsdp_trainer import optim, train
-    from fsdp_trainer.faults import NonFiniteGuard, oom_phase
+    from fsdp_trainer.optim import NonFiniteGuard
+    from fsdp_trainer.tools.faults import oom_phase
 
     cpu = torch.device("cpu")
     cfg = parse_args(["--model.vocab_size", "10"])
@@ -423,7 +424,7 @@ def test_an_oom_names_the_part_of_the_step_it_happened_in():
 
 
 def test_the_failed_allocation_is_read_from_the_allocators_message():
-    from fsdp_trainer.faults import requested_bytes
+    from fsdp_trainer.tools.faults import requested_bytes
 
     message = ("CUDA out of memory. Tried to allocate {}. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB "
                "is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use.")
@@ -436,7 +437,7 @@ def test_the_failed_allocation_is_read_from_the_allocators_message():
 def test_an_oom_report_names_the_change_to_make_or_says_there_is_none(monkeypatch):
     from types import SimpleNamespace
 
-    from fsdp_trainer.faults import describe_oom
+    from fsdp_trainer.tools.faults import describe_oom
 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 70 * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
@@ -445,6 +446,6 @@ def test_an_oom_report_names_the_change_to_make_or_says_there_is_none(monkeypatc
     assert report == ("rank 3: CUDA out of memory during the training loop; peak allocated 70.0 GiB of 80.0 GiB; the "
                       "memory plan predicted 60.0 GiB; suggestion: --ac.mode full  ->  40.9 GiB")
     assert describe_oom(err, 3, cuda, 60 * 2**30, None, None).endswith(
-        "; no change the planner tries lowers the plan by the allocation that failed: `python -m fsdp_trainer.plan` "
+        "; no change the planner tries lowers the plan by the allocation that failed: `python -m fsdp_trainer.tools.plan` "
         "with the same flags and a smaller --gpu-memory lists what each change frees")
     assert describe_oom(err, 3, cuda, None, None, None).endswith("peak allocated 70.0 GiB of 80.0 GiB")  # no plan

@@ -94,7 +94,7 @@ def test_memory_limit_caps_the_process(info, tmp_path):
 
 
 def test_nonfinite_update_is_skipped_on_the_device_by_fused_adamw(info, tmp_path):
-    from fsdp_trainer.faults import NonFiniteGuard
+    from fsdp_trainer.optim import NonFiniteGuard
     result = _run(info, tmp_path, train={"steps": 2})
     model, optimizer = result["model"], result["optimizer"]
     assert optimizer.defaults["fused"]

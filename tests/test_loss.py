@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from fsdp_trainer.loss import linear_cross_entropy
 from fsdp_trainer.models.llama import ModelArgs, build
+from fsdp_trainer.parallelize import init_weights
 
 
 def _inputs(tokens=37, dim=16, vocab=50, dtype=torch.float32, seed=0):
@@ -67,7 +68,7 @@ def test_model_loss_matches_cross_entropy_of_its_logits(tie, chunk):
     args = ModelArgs.from_preset("debug", tie_embeddings=tie)
     torch.manual_seed(0)
     model = build(args, device="cpu")
-    model.init_weights(0)
+    init_weights(model, "cpu", seed=0)
     tokens = torch.randint(0, args.vocab_size, (2, 24))
     labels = torch.randint(0, args.vocab_size, (2, 24))
     reference = F.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten())

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fsdp_trainer.models.llama import PRESETS, ModelArgs, _rope_complex, _rope_real, apply_rope, build, rope_table
+from fsdp_trainer.parallelize import init_weights
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -83,7 +84,7 @@ def test_output_is_causal_and_tied_weights_share_storage():
     args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=16, max_seq_len=16,
                      tie_embeddings=True)
     model = build(args, device="cpu")
-    model.init_weights(seed=0)
+    init_weights(model, "cpu", seed=0)
     assert model.output.weight is model.tok_embeddings.weight
     tokens = torch.randint(0, 50, (1, 12))
     changed = tokens.clone()

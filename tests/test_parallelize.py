@@ -22,7 +22,7 @@ ARGS = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, ff
 def _grads_and_backward_ops(mode: str, every: int = 2):
     """Gradients, and the ops run during backward (recomputed forward ops show up here)."""
     model = build(ARGS, device="cpu")
-    model.init_weights(seed=0)
+    init_weights(model, "cpu", seed=0)
     apply_ac(model, (TransformerBlock,), mode, every)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
     loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())

@@ -21,11 +21,11 @@ from fsdp_trainer.config import Config, ConfigError, block_ac_modes, parse_args,
 from fsdp_trainer.loss import linear_cross_entropy
 from fsdp_trainer.metrics import GiB
 from fsdp_trainer.models.llama import build, model_args_from_config
-from fsdp_trainer.parallelize import apply_ac
-from fsdp_trainer.plan import (OPTION_MARGIN, Group, _moments, _note, _setup, block_saved_bytes,
+from fsdp_trainer.parallelize import init_weights, apply_ac
+from fsdp_trainer.tools.plan import (OPTION_MARGIN, Group, _moments, _note, _setup, block_saved_bytes,
                                 check_fits, ids_labels_bytes, op_ac_saved_bytes, parse_memory, plan, remedy_after_oom,
                                 rms_norm_saved_bytes)
-from fsdp_trainer.plan import main as plan_main
+from fsdp_trainer.tools.plan import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[1]
 BIG = 10 ** 15  # a capacity everything fits in, where only the arithmetic matters
@@ -772,7 +772,7 @@ def test_parse_memory_rejects_with_an_example(text):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp_trainer.plan", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "fsdp_trainer.tools.plan", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -866,7 +866,7 @@ def test_activations_planned_match_the_tensors_autograd_saves(model, micro_batch
     args = model_args_from_config(cfg.model)
     torch.manual_seed(0)
     model = build(args, device="cpu")
-    model.init_weights(0)
+    init_weights(model, "cpu", seed=0)
     tokens = torch.randint(0, args.vocab_size, (micro_batch, seq_len))
     labels = torch.randint(0, args.vocab_size, (micro_batch, seq_len))
     weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}

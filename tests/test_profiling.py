@@ -9,7 +9,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from fsdp_trainer.profiling import OPTIMIZER_RANGE, breakdown, category, parse_steps
+from fsdp_trainer.config import parse_steps
+from fsdp_trainer.tools.profiling import OPTIMIZER_RANGE, breakdown, category
 
 from helpers import TINY_FLAGS
 
@@ -76,7 +77,7 @@ def test_a_window_cut_short_is_stopped_and_one_before_the_run_is_named(tmp_path,
     resumed run whose first step is past the window says that nothing is profiled instead of staying silent."""
     import torch
 
-    from fsdp_trainer.profiling import StepProfiler
+    from fsdp_trainer.tools.profiling import StepProfiler
 
     cut = StepProfiler("2:5", False, tmp_path, 0, torch.device("cpu"))
     cut.start(1)
@@ -98,7 +99,7 @@ def test_the_sync_after_the_window_waits_outside_the_watchdog_pause(tmp_path, mo
     peer hung in them would go uncaught by this rank's watchdog, and this rank would be named as still writing."""
     import torch
 
-    from fsdp_trainer.profiling import StepProfiler
+    from fsdp_trainer.tools.profiling import StepProfiler
 
     events = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("GPU sync"))

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fsdp_trainer import distributed, train
 from fsdp_trainer.data import build_dataloader, build_dataset
 from fsdp_trainer.models.llama import build, model_args_from_config
+from fsdp_trainer.parallelize import init_weights
 from fsdp_trainer.config import parse_args
 from fsdp_trainer.optim import build_optimizer, build_scheduler, lr_at
 
@@ -115,7 +116,7 @@ def reference_run(cfg, world_size: int):
     torch.manual_seed(t.seed)
     args = model_args_from_config(cfg.model)
     model = build(args, device="cpu")
-    model.init_weights(t.seed)
+    init_weights(model, "cpu", seed=t.seed)
     optimizer = torch.optim.AdamW([
         {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": o.weight_decay},
         {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
@@ -171,7 +172,7 @@ def initial_weights(cfg) -> dict:
     """The weights every run of `cfg` starts from, whatever its sharding
     (test_meta_init_is_world_size_independent_and_equals_eager_init pins that)."""
     model = build(model_args_from_config(cfg.model), device="cpu")
-    model.init_weights(cfg.train.seed)
+    init_weights(model, "cpu", seed=cfg.train.seed)
     return model.state_dict()
 
 
@@ -274,7 +275,7 @@ def one_llama_step(cfg, micro_batches: int = 1) -> None:
     """train_step on one process, cfg's Llama unsharded, on `micro_batches` copies of a batch of 2 samples."""
     args = model_args_from_config(cfg.model)
     model = build(args, device="cpu")
-    model.init_weights(0)
+    init_weights(model, "cpu", seed=0)
     optimizer = build_optimizer(model, cfg.optim)
     tokens = torch.randint(0, args.vocab_size, (2, cfg.train.seq_len + 1))
     batches = iter([(tokens[:, :-1], tokens[:, 1:])] * micro_batches)
@@ -335,7 +336,7 @@ def test_meta_init_is_world_size_independent_and_equals_eager_init():
     initialized reference above. Another seed gives other weights (on 1 rank, in the same launch)."""
     cfg = tiny_config()
     eager = build(model_args_from_config(cfg.model), device="cpu")
-    eager.init_weights(cfg.train.seed)
+    init_weights(eager, "cpu", seed=cfg.train.seed)
     [(one, other_seed)] = run_ranks(gather_initial_weights, 1, cfg, tiny_config(train={"seed": 1}))
     three = [result for (result,) in run_ranks(gather_initial_weights, 3, cfg)]
     assert all(buffers_ok for _, buffers_ok in [one, other_seed, *three]), "RoPE table wrong after materialization"

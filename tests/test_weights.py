@@ -12,10 +12,12 @@ from typing import Optional
 import pytest
 import torch
 
-from fsdp_trainer import distributed, weights
+from fsdp_trainer import distributed
+from fsdp_trainer.tools import weights
 from fsdp_trainer.checkpoint import CheckpointError
 from fsdp_trainer.config import parse_args
 from fsdp_trainer.models.llama import build, model_args_from_config
+from fsdp_trainer.parallelize import init_weights
 from fsdp_trainer.train import run
 
 from helpers import TINY_FLAGS
@@ -33,7 +35,7 @@ def hf_folder(folder: Path, args, extra: Optional[dict[str, torch.Tensor]] = Non
     pytest.importorskip("safetensors")
     from safetensors.torch import save_file
     model = build(args, device="cpu")
-    model.init_weights(0)
+    init_weights(model, "cpu", seed=0)
     folder.mkdir()
     save_file({**weights.to_hf(model.state_dict(), args), **(extra or {})}, str(folder / "model.safetensors"))
     settings = {**weights.hf_config(args, torch.float32), **config}
@@ -95,7 +97,7 @@ def test_a_damaged_safetensors_file_is_named_with_the_fix(tmp_path, monkeypatch,
     if damage == "unreadable":  # another user's download, say: safetensors says "No such file" whatever the reason
         import safetensors
 
-        from fsdp_trainer import weights
+        from fsdp_trainer.tools import weights
 
         def denied(*args, **kwargs):
             raise PermissionError(13, "Permission denied")

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_trainer.loss import linear_cross_entropy
-from fsdp_trainer.parallelize import param_generator
 
 # In compiled blocks the only complex op is `view_as_real` of the RoPE table, a view that Inductor leaves to ATen at
 # no cost; its warning that complex operators may run slower than eager does not apply.
@@ -256,12 +255,6 @@ class Transformer(nn.Module):
         else:
             std = 0.02
         nn.init.trunc_normal_(tensor, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
-
-    def init_weights(self, seed: int = 0) -> None:
-        """Initialize an unsharded model in place (the sharded path is `parallelize.init_weights`)."""
-        self.init_buffers()
-        for name, param in self.named_parameters():
-            self.init_param(name, param, param_generator(seed, name, param.device))
 
 
 def build(args: ModelArgs, device: torch.device | str = "meta") -> Transformer:

@@ -34,14 +34,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_trainer.distributed import logger
+from fsdp_trainer.distributed import ATTEMPT, BACKSTOP_S, logger, spans
 
 EXIT_HANG = 3
-# How far the process groups' own timeout trails the watchdog's, for the watchdog to notice (up to a poll late), hear
-# the other ranks and report first: the group's timeout ends a waiting rank (gloo raises, NCCL aborts) without a word
-# on the suspect, and the report of the rank that times out next would call it dead.
-BACKSTOP_S = 60
-# Per torchrun restart: a restarted job must not read the reports or the alarm of the attempt before.
 ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 REPORT = f"fsdp_trainer/stalled/{ATTEMPT}/{{}}"
 ALARM = f"fsdp_trainer/stalled/{ATTEMPT}/alarm"  # set by the first watchdog to time out: the others report at once
@@ -304,22 +299,11 @@ class Watchdog:
                 verdict += f". Rank(s) {spans(waiting)} wait in a collective or GPU sync"
         else:
             verdict = (f"every rank finished step {high} and waits in a collective, a GPU sync or a checkpoint "
-                       "save: a communication problem; run `python -m fsdp_trainer.doctor` on these nodes")
+                       "save: a communication problem; run `python -m fsdp_trainer.tools.doctor` on these nodes")
         slow, flag = (("steps are", "dist.timeout_s") if self.steady else
                       ("start-up (a restore, compilation, the first step) is", "dist.init_timeout_s"))
         return (f"rank {self.rank}: no progress for {waited:.0f} s (timeout {self.timeout:.0f} s); {verdict}. "
                 f"If {slow} legitimately this slow, raise {flag}.")
-
-
-def spans(ranks: list[int]) -> str:
-    """Ascending ranks as runs, "0-3, 5, 7-8": a job of thousands of ranks fits a line."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and runs[-1][1] == r - 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ", ".join(f"{first}-{last}" if last > first else str(first) for first, last in runs)
 
 
 def _main_thread_location() -> tuple[str, str]:
@@ -336,71 +320,6 @@ def _main_thread_location() -> tuple[str, str]:
     waiting = ((not in_storage and any(f"torch{os.sep}distributed" in f.filename for f in stack[loop + 1:]))
                or any(call in (last.line or "") for call in _WAITS))
     return "waiting" if waiting else "busy", f"{last.name} ({Path(last.filename).name}:{last.lineno})"
-
-
-class NonFiniteError(RuntimeError):
-    pass
-
-
-MIN_LOSS_SCALE = 1.0
-"""float16's loss scale below which a run has diverged: the scaler halves it at every overflow, and under 1 the
-gradients overflow even unscaled."""
-
-
-_NONFINITE_FIXES = "Lower optim.lr, raise optim.warmup_steps, check the data around that step"
-
-
-class NonFiniteGuard:
-    """Skips optimizer updates whose global grad norm is not finite, without a host sync on GPU.
-
-    Fused AdamW (optim.build_optimizer's) accepts a `found_inf` tensor and then leaves weights, moments and step
-    count untouched, all on the device.
-    The count of skipped steps and the first one's number are read on logging steps and before checkpoints.
-    A resumed run starts from the step and the count of skipped steps of its checkpoint: both are the whole run's.
-    With float16 the loss scaler skips overflowing steps itself, as part of finding its scale, so they are not
-    counted: the run stops instead when the scale falls below MIN_LOSS_SCALE."""
-
-    def __init__(self, device: torch.device, mode: str, max_skipped: int, start_step: int = 0, skipped: int = 0,
-                 scaler: Optional[torch.amp.GradScaler] = None):
-        self.scaler = scaler
-        self.mode, self.max_skipped, self.step_number = mode, max_skipped, start_step
-        self.skipped_before = skipped
-        self.skipped = torch.full((), skipped, device=device, dtype=torch.int64)
-        self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)
-
-    def step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
-        """optimizer.step(), unless grad_norm is not finite."""
-        self.step_number += 1
-        bad = ~torch.isfinite(grad_norm)
-        self.skipped += bad
-        self.first_bad = torch.where(bad & (self.first_bad < 0), self.step_number, self.first_bad)
-        optimizer.found_inf = bad.float()
-        optimizer.step()
-
-    def check(self) -> int:
-        """Raise if the configured limit is exceeded; return the number of skipped steps. A host sync."""
-        if self.scaler is not None and self.scaler.get_scale() < MIN_LOSS_SCALE:
-            raise NonFiniteError(
-                f"the float16 loss scale fell to {self.scaler.get_scale():g}: the gradients overflow even unscaled, "
-                "so every step is skipped. Lower optim.lr, raise optim.warmup_steps, check the data, or train in "
-                "bfloat16 on a GPU that has it.")
-        skipped = int(self.skipped.item())
-        # stop: any non-finite step since this run started; skip: more than max_skipped in the whole run, which may
-        # all predate the resume if the limit was lowered.
-        if self.mode == "stop" and skipped > self.skipped_before:
-            raise NonFiniteError(
-                f"non-finite loss or gradient norm at step {int(self.first_bad.item())} (train.on_nonfinite=stop). "
-                f"Its update was not applied and no checkpoint was written after it. {_NONFINITE_FIXES}, or set "
-                "train.on_nonfinite=skip to skip such steps.")
-        if self.mode == "skip" and skipped > self.max_skipped:
-            first = int(self.first_bad.item())
-            since = (f"the first of this run at step {first}" if first >= 0 else
-                     "all before the checkpoint this run resumed from")
-            raise NonFiniteError(
-                f"{skipped} steps with a non-finite loss or gradient norm were skipped ({since}), more than "
-                f"train.max_skipped_steps={self.max_skipped}. None of their updates was applied. {_NONFINITE_FIXES}, "
-                "or raise train.max_skipped_steps.")
-        return skipped
 
 
 # The calls on train_step's (train.py) lines, and the part of the step each is; any other line is the forward.
@@ -445,7 +364,7 @@ def describe_oom(err: BaseException, rank: int, device: torch.device, planned_by
         parts.append(f"suggestion: {suggestion}")
     elif planned_bytes:
         parts.append("no change the planner tries lowers the plan by the allocation that failed: `python -m "
-                     "fsdp_trainer.plan` with the same flags and a smaller --gpu-memory lists what each change frees")
+                     "fsdp_trainer.tools.plan` with the same flags and a smaller --gpu-memory lists what each change frees")
     if snapshot_dir is not None:
         snapshot_dir.mkdir(parents=True, exist_ok=True)
         path = snapshot_dir / f"oom_snapshot_rank{rank}.pickle"

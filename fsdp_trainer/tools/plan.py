@@ -1,9 +1,9 @@
 """Memory planner: know before launching whether a run fits on its GPUs, and what to change if it does not.
 
     # the same flags as training, plus the GPUs to plan for:
-    python -m fsdp_trainer.plan --config configs/llama3_8b.toml --gpus 8 --gpu-memory 80GiB
-    python -m fsdp_trainer.plan --config configs/llama3_8b.toml --gpus 8 --gpu-memory 47.4GiB --ac.mode full
-    python -m fsdp_trainer.plan --config configs/llama3_8b.toml --gpus 16 --gpu-memory 80GB --json
+    python -m fsdp_trainer.tools.plan --config configs/llama3_8b.toml --gpus 8 --gpu-memory 80GiB
+    python -m fsdp_trainer.tools.plan --config configs/llama3_8b.toml --gpus 8 --gpu-memory 47.4GiB --ac.mode full
+    python -m fsdp_trainer.tools.plan --config configs/llama3_8b.toml --gpus 16 --gpu-memory 80GB --json
 
 Exit status: 0 fits (the output lists faster settings that fit too), 1 does not fit (the output lists changes that
 would), 2 bad arguments. Without --gpus or --gpu-memory the planner uses this machine's GPUs, or assumes 8 x 80 GiB
@@ -1094,7 +1094,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     assumed: dict[str, str] = {}
     try:  # a bad flag or config file exits 2, apart from a plan that does not fit (1)
         args = parse_args(argv, cls=PlanArgs, description=__doc__.split("\n\n")[0],
-                          prog="python -m fsdp_trainer.plan")
+                          prog="python -m fsdp_trainer.tools.plan")
         gpus, memory, this_gpu, assumed = _hardware(args)
         result = plan(_for_this_gpu(args) if this_gpu else args, gpus, memory)
     except ConfigError as err:

@@ -14,8 +14,9 @@ from typing import Callable, Optional
 
 import torch
 
+from fsdp_trainer.config import parse_steps
 from fsdp_trainer.distributed import logger
-from fsdp_trainer.faults import WRITING_PROFILE
+from fsdp_trainer.tools.faults import WRITING_PROFILE
 
 # GPU kernel name fragments per category; the first category that matches wins.
 CATEGORIES = {
@@ -28,17 +29,6 @@ CATEGORIES = {
 # gives a kernel only to its innermost range, so torch's own "Optimizer.step#AdamW.step" (and zero_grad) count too.
 OPTIMIZER_RANGE = "optimizer"
 OPTIMIZER_RANGES = (OPTIMIZER_RANGE, "Optimizer.")
-
-
-def parse_steps(spec: str) -> tuple[int, int]:
-    """'a:b' -> (a, b), the first and last step to record (1-based, inclusive)."""
-    try:
-        first, last = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise ValueError(f"profile.steps={spec!r}: expected 'a:b', e.g. 10:12") from None
-    if not 1 <= first <= last:
-        raise ValueError(f"profile.steps={spec!r}: need 1 <= a <= b")
-    return first, last
 
 
 # Inductor's fused pointwise and reduction kernels, named after every op they absorbed: RoPE fused into the

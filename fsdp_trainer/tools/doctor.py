@@ -1,13 +1,13 @@
 """Is this node (or cluster) fit to train? Environment, collective correctness and bandwidth, each step on a deadline.
 
-    python -m fsdp_trainer.doctor                                   # one process: environment and a 1-rank group
-    torchrun --nproc_per_node=8 -m fsdp_trainer.doctor              # one node, every GPU
+    python -m fsdp_trainer.tools.doctor                                   # one process: environment and a 1-rank group
+    torchrun --nproc_per_node=8 -m fsdp_trainer.tools.doctor              # one node, every GPU
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD:29500 \\
-        -m fsdp_trainer.doctor                                      # two nodes: run this on each
-    torchrun --nproc_per_node=8 -m fsdp_trainer.doctor --json > doctor.json   # the text report goes to stderr;
+        -m fsdp_trainer.tools.doctor                                      # two nodes: run this on each
+    torchrun --nproc_per_node=8 -m fsdp_trainer.tools.doctor --json > doctor.json   # the text report goes to stderr;
                                                                     # the JSON is the file's last JSON line
-    python -m fsdp_trainer.doctor --try-fixes --nproc 8             # a check failed: find the setting that fixes it
-    NCCL_DEBUG=INFO torchrun --nproc_per_node=8 -m fsdp_trainer.doctor --sizes 0   # which transport NCCL picked
+    python -m fsdp_trainer.tools.doctor --try-fixes --nproc 8             # a check failed: find the setting that fixes it
+    NCCL_DEBUG=INFO torchrun --nproc_per_node=8 -m fsdp_trainer.tools.doctor --sizes 0   # which transport NCCL picked
 
 What it does, in order; the exit status is 0 only if every step passed:
 1. Environment: torch/CUDA/NCCL versions; per rank its host, pid and GPU (memory, compute capability, bf16);
@@ -317,7 +317,7 @@ def _hints(report: dict) -> list[str]:
         ]
     else:
         hints.append(f"GLOO_SOCKET_IFNAME=<iface>: pins the interface gloo uses; rank 0's host has: {ifaces}")
-    hints.append("python -m fsdp_trainer.doctor --try-fixes --nproc N: tries these one at a time on this node")
+    hints.append("python -m fsdp_trainer.tools.doctor --try-fixes --nproc N: tries these one at a time on this node")
     already = {f"{k}={v}" for k, v in os.environ.items()}
     return [h for h in hints if h.split(":")[0] not in already]  # no advice to set what is set already
 
@@ -903,7 +903,7 @@ def try_fixes(args: DoctorArgs) -> int:
         # --standalone: torchrun's rendezvous and store bind port 0 themselves, so that no other process can take
         # their port first, as it could a free port looked up beforehand. The ranks meet on loopback, as they did.
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1",
-               f"--nproc_per_node={nproc}", "-m", "fsdp_trainer.doctor", "--json", *flags]
+               f"--nproc_per_node={nproc}", "-m", "fsdp_trainer.tools.doctor", "--json", *flags]
         env = os.environ | {"PYTHONPATH": pythonpath} | setting
         # Its own session, so that a group that outlives every deadline can be killed whole, workers included.
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -972,7 +972,7 @@ def _parsed(parse: Callable[[str], object], text: str, refusals: list[str]):
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    args = tyro.cli(DoctorArgs, args=argv, prog="python -m fsdp_trainer.doctor", description=__doc__)
+    args = tyro.cli(DoctorArgs, args=argv, prog="python -m fsdp_trainer.tools.doctor", description=__doc__)
     # Refused before anything runs, with argparse's exit status 2 (as the planner's), not the 1 of a failed check:
     # a deadline of 0 would time every step out at once and blame a rank, and the mean of no runs would fail like a
     # broken collective.
@@ -987,7 +987,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     sizes = _parsed(_bandwidth_sizes, args.sizes, refusals)
     fault = _parsed(_parse_fault, os.environ.get(FAULT_VAR, ""), refusals)
     for refusal in filter(None, refusals):
-        print(f"python -m fsdp_trainer.doctor: error: {refusal}", file=sys.stderr)
+        print(f"python -m fsdp_trainer.tools.doctor: error: {refusal}", file=sys.stderr)
     if any(refusals):
         sys.exit(2)
     if args.try_fixes:

@@ -4,7 +4,7 @@ from a Hugging Face Llama folder, for checkpoint.init_from. Training state (opti
 travel this way: resuming is checkpoint.py's.
 
 Runbook:
-    python -m fsdp_trainer.checkpoint export outputs/checkpoints/step_00000200 exported/  # main() calls export()
+    python -m fsdp_trainer.tools.checkpoints export outputs/checkpoints/step_00000200 exported/  # main() calls export()
     python -m fsdp_trainer.train --checkpoint.init_from hf:exported/ ...   # Checkpointer.restore: load_weights()
     python -m fsdp_trainer.train --checkpoint.init_from outputs/checkpoints ...  # or a checkpoint's weights
 

@@ -1,0 +1,1 @@
+"""Tools beside the training core: each imports the core, the core never imports them."""

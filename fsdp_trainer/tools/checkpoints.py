@@ -1,0 +1,85 @@
+"""The checkpoint commands: list a folder's checkpoints, verify one against its checksums, export its weights.
+
+    python -m fsdp_trainer.tools.checkpoints list outputs/checkpoints
+    python -m fsdp_trainer.tools.checkpoints verify outputs/checkpoints/step_00000200   # e.g. after copying it
+    python -m fsdp_trainer.tools.checkpoints export outputs/checkpoints/step_00000200 exported/  # model.pt + HF
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from fsdp_trainer.checkpoint import (_STEP_DIR, NO_CHECKSUMS, CheckpointError, _ranks, _read_marker, _size_bytes,
+                                     checked, incomplete_reason, list_checkpoints, read_metadata, resolve, ways_past)
+from fsdp_trainer.config import ConfigError
+from fsdp_trainer.distributed import cores_per_rank
+from fsdp_trainer.tools.weights import export
+
+def _list(root: str) -> None:
+    if not Path(root).is_dir():
+        raise CheckpointError(f"{root}: no such folder; give a checkpoint folder (<train.output_dir>/checkpoints "
+                              "unless checkpoint.dir says otherwise)")
+    found = list_checkpoints(Path(root))
+    if not found:
+        nested, parent = Path(root) / "checkpoints", Path(root).resolve().parent
+        hint = f"; did you mean its checkpoints folder, {nested}?" if nested.is_dir() else ""
+        if _STEP_DIR.match(Path(root).resolve().name) or (Path(root) / ".metadata").exists():
+            hint = f"; it is a checkpoint itself: list the folder that holds it, {parent}"
+        print(f"{root}: no checkpoints (no step_* folders){hint}")
+    for step, path in found:
+        reason = incomplete_reason(path)
+        state, problem = _read_marker(path) if reason is None else (None, None)
+        if reason is not None:
+            print(f"{path}  INCOMPLETE: it {reason}")
+        elif problem is not None:
+            print(f"{path}  UNUSABLE: it {problem}")
+        else:
+            print(f"{path}  complete  step {step}, {state['consumed_samples']:,} samples, "
+                  f"{_size_bytes(path) / 1e9:.3f} GB, saved on {_ranks(state['world_size'])} at {state['saved_at']}")
+
+
+def _verify(named: str) -> None:
+    checkpoint = resolve(named, "checkpoint")
+    fix = f"copy it again from where it was saved; or {ways_past(checkpoint.path)}"
+    read_metadata(checkpoint, fix)
+    with checked(checkpoint, None, fix, threads=cores_per_rank(1)) as report:
+        pass
+    if not report:
+        raise CheckpointError(f"checkpoint {checkpoint.path}: {NO_CHECKSUMS}, so it cannot be verified")
+    print(f"{checkpoint.path}: {report[0]}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fsdp_trainer.tools.checkpoints", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("export", help="write a checkpoint's weights as model.pt and a Hugging Face Llama")
+    p.add_argument("checkpoint", help="a step_* folder, or a checkpoint folder (its newest complete checkpoint)")
+    p.add_argument("out_dir", help="folder for model.pt, config.toml, and config.json + model.safetensors")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved)")
+    p.add_argument("--no-checksums", dest="checksums", action="store_false",
+                   help="do not check the files against the checksums the save recorded (to salvage what a damaged "
+                        "checkpoint still holds)")
+    p = commands.add_parser("list", help="list the checkpoints in a folder, complete or not (and why not)")
+    p.add_argument("dir", help="a checkpoint folder (<output_dir>/checkpoints by default)")
+    p = commands.add_parser("verify", help="check every file of a checkpoint against the size and CRC32 its save "
+                            "recorded (after copying it, say)")
+    p.add_argument("checkpoint", help="a step_* folder, or a checkpoint folder (its newest complete checkpoint)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "list":
+            _list(args.dir)
+        elif args.command == "verify":
+            _verify(args.checkpoint)
+        else:
+            export(args.checkpoint, args.out_dir, getattr(torch, args.dtype) if args.dtype else None,
+                   checksums=args.checksums)
+    except (CheckpointError, ConfigError) as err:
+        parser.exit(2, f"error: {err}\n")
+
+
+if __name__ == "__main__":
+    main()
