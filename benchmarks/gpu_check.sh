@@ -172,11 +172,11 @@ PY
           --profile.steps 12:13 --train.output_dir "/tmp/profile_${compile}_$ac" --checkpoint.interval 0
           --checkpoint.resume none --checkpoint.no_save_final --metrics.no_tensorboard)
         echo "\$ ${cmd[*]}" | tee -a "$log"
-        rm -rf "/tmp/profile_${compile}_$ac"  # a run that fails must leave kernels.py no earlier run's trace
+        rm -rf "/tmp/profile_${compile}_$ac"  # a run that fails must leave kernel_table.py no earlier run's trace
         "${cmd[@]}" 2>&1 | grep -E "profile of steps|step 14/|$ERRORS" | tee -a "$log"
         traces+=("/tmp/profile_${compile}_$ac/profile/trace_rank0_steps12-13.json")
       done
-      python3 benchmarks/kernels.py "${traces[@]}" --steps 2 >> "$log" ;;
+      python3 benchmarks/kernel_table.py "${traces[@]}" --steps 2 >> "$log" ;;
     checkpoint)
       df -h /tmp | tail -1
       read -ra modes <<< "${CHECKPOINT_MODES:-async_pinned none}"

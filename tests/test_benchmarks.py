@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -19,14 +20,24 @@ from fsdp_trainer.tools.doctor import FAULT_VAR
 from helpers import node_name, side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+BENCHMARKS = ROOT / "benchmarks"
+# Appended, never first: a script's name must not hide an installed package from every later test.
+sys.path.append(str(BENCHMARKS))
 
-from kernels import kernel_totals, steps_in  # noqa: E402
+from kernel_table import kernel_totals, steps_in  # noqa: E402
 from memory_streams import largest_allocations, reserved_by_stream  # noqa: E402
 from throughput import parse_variant  # noqa: E402
 
 # The debug model cut down so that a run of a few steps on CPU ranks takes seconds.
 SMALL = ["--model.n_layers", "2", "--train.seq_len", "64", "--train.micro_batch_size", "2"]
+
+
+def test_the_benchmark_scripts_hide_no_installed_package_and_none_hides_them():
+    """Test order must not matter: installed packages (transformers imports `kernels`) come before the scripts'
+    folder, and no installed package takes a script's name."""
+    assert sys.path.index(str(BENCHMARKS)) > max(i for i, p in enumerate(sys.path) if "site-packages" in p)
+    for script in BENCHMARKS.glob("*.py"):
+        assert Path(importlib.util.find_spec(script.stem).origin) == script
 
 
 def test_memory_streams_splits_reserved_memory_by_stream_and_names_who_allocated():
@@ -689,7 +700,7 @@ def gpu_check(tmp_path: Path, *args: str, results_dir: Path | None = None,
               env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
     """gpu_check.sh with stand-ins for nvidia-smi and python3, from an empty folder: python3 logs its arguments and
     succeeds, except that pytest and the trainer fail (the trainer out of memory), and benchmarks/results.py and
-    kernels.py run for real. (the run, python3's calls)"""
+    kernel_table.py run for real. (the run, python3's calls)"""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA Test GPU'\n")
@@ -697,7 +708,7 @@ def gpu_check(tmp_path: Path, *args: str, results_dir: Path | None = None,
                                      'case "$*" in *pytest*) exit 1 ;;\n'
                                      '  *fsdp_trainer.train*) echo "torch.OutOfMemoryError: CUDA out of memory"; '
                                      'exit 1 ;;\n'
-                                     '  benchmarks/results.py*|benchmarks/kernels.py*) '
+                                     '  benchmarks/results.py*|benchmarks/kernel_table.py*) '
                                      f'cd {ROOT} && exec {sys.executable} "$@" ;; esac\n')
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)

@@ -2,7 +2,7 @@
 step runs, how often, and for how long. For telling two runs apart kernel by kernel (eager and compiled, or
 before and after a change), where the profile's breakdown only gives the totals per category.
 
-    python benchmarks/kernels.py EAGER_TRACE.json COMPILED_TRACE.json [--steps 2] [--top 12]
+    python benchmarks/kernel_table.py EAGER_TRACE.json COMPILED_TRACE.json [--steps 2] [--top 12]
 
 Per trace and category: the top kernels by total time, in ms per step, with calls per step and mean µs per call.
 The steps a trace holds come from its name as the trainer writes it (trace_rank0_steps12-13.json: 2), else --steps.
