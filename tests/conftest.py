@@ -1,4 +1,5 @@
 import multiprocessing
+import subprocess
 
 import pytest
 import torch
@@ -27,3 +28,24 @@ def pytest_sessionfinish(session, exitstatus):
         writer.line()
         writer.line(f"FAILED: the tests left child processes running: {names}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+class LaunchInFastTest(RuntimeError):
+    pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The fast tier is the tests without a process launch: one that starts a process (torchrun, a script, gloo
+    ranks), in its body or in a fixture of any scope, must be marked slow, or it fails and says so."""
+    if "slow" in item.keywords:
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise LaunchInFastTest(f"{item.nodeid} starts a process: mark it @pytest.mark.slow")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refuse)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        yield

@@ -93,6 +93,7 @@ def test_kernel_tables_are_per_step_of_the_trace_s_own_window():
     assert steps_in(Path("renamed.json"), None) == 1
 
 
+@pytest.mark.slow
 def test_plan_accuracy_runs_each_row_through_the_throughput_runner(monkeypatch, tmp_path, capsys):
     """The matrix script calls throughput.run_variant as that function is now, and reports both errors."""
     import inspect
@@ -123,6 +124,7 @@ def test_plan_accuracy_runs_each_row_through_the_throughput_runner(monkeypatch, 
     assert "tokens_per_s_per_gpu" not in data["rows"][0] and "forward_backward_ms" not in data["rows"][0]
 
 
+@pytest.mark.slow
 def test_write_results_records_the_run_gpus_environment_commit_and_a_command_that_reruns_it(monkeypatch, tmp_path):
     import results
 
@@ -142,6 +144,7 @@ def test_write_results_records_the_run_gpus_environment_commit_and_a_command_tha
     assert json.loads(results.write_results("t", [], gpus=1).read_text())["git"] is None
 
 
+@pytest.mark.slow
 def test_a_recorded_command_runs_in_a_shell_with_its_settings():
     """A setting's value may hold spaces (gpu_check.sh's PROFILE_RUNS): quoted whole, a shell would take the
     setting for the command."""
@@ -151,6 +154,7 @@ def test_a_recorded_command_runs_in_a_shell_with_its_settings():
     assert subprocess.run(["bash", "-c", line], capture_output=True, text=True).stdout == "a:b c:d\n"
 
 
+@pytest.mark.slow
 def test_the_recorded_commit_says_when_the_code_that_ran_differs_from_it(tmp_path):
     from results import git_revision
 
@@ -176,6 +180,7 @@ def test_the_recorded_commit_says_when_the_code_that_ran_differs_from_it(tmp_pat
     assert git_revision(tmp_path / "unpacked" / "benchmarks") is None
 
 
+@pytest.mark.slow
 def test_a_tree_unpacked_from_git_archive_records_the_archived_commit(tmp_path):
     from results import git_revision
 
@@ -200,6 +205,7 @@ def test_a_tree_unpacked_from_git_archive_records_the_archived_commit(tmp_path):
     assert git_revision(tmp_path / "copy") is None
 
 
+@pytest.mark.slow
 def test_error_line_is_the_childs_error_not_torchruns_summary():
     from runs import error_line
 
@@ -227,6 +233,7 @@ def bad_flag_run(flags: list[str]) -> subprocess.CompletedProcess:
                           env={**os.environ, "COLUMNS": "60"})  # narrow: the message wraps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", BAD_FLAGS)
 def test_error_line_reads_tyros_message_about_a_bad_flag(script_run, case):
     """tyro draws its message in a box, wrapped over several lines, with no line that says "error:"."""
@@ -287,6 +294,7 @@ def test_a_warmup_no_window_outlasts_is_refused_before_any_run(script, monkeypat
         "multiples of --log-every 2: lower --warmup to 2 or less, or raise --steps above 4" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_run_that_logged_no_window_after_warmup_is_a_failed_row_and_the_sweep_goes_on(monkeypatch, tmp_path):
     """A run that stopped early (a stop signal, say) logged fewer windows than its arguments promised."""
     import results
@@ -309,6 +317,7 @@ def test_a_run_that_logged_no_window_after_warmup_is_a_failed_row_and_the_sweep_
     assert all(r["error"].startswith("no logging window starts at or after step 2") for r in rows)
 
 
+@pytest.mark.slow
 def test_windows_holding_profiled_steps_are_left_out_and_the_profile_is_recorded(monkeypatch, tmp_path):
     """--profile.steps in a variant: the window of the profiled steps also holds the profiler's overhead and the
     seconds of writing its trace (on CPU ranks: 25 tokens/s there against 500-1,000 in the other windows)."""
@@ -354,6 +363,7 @@ def scaling_run(tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess]:
                                 "--log-every", "2", "--warmup", "2", "--", *SMALL, results_dir=tmp_path)
 
 
+@pytest.mark.slow
 def test_scaling_runs_one_and_two_ranks_with_the_smallest_as_baseline(script_run):
     results, proc = script_run.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -364,6 +374,7 @@ def test_scaling_runs_one_and_two_ranks_with_the_smallest_as_baseline(script_run
     assert two["efficiency"] == pytest.approx(two["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"])
 
 
+@pytest.mark.slow
 def test_host_adamw_times_ranks_stepping_together_on_their_share_of_the_cores(tmp_path):
     proc = run_script("host_adamw.py", "--ranks", "1", "2", "--threads", "0", "--numel", "1048576", "--steps", "2",
                       results_dir=tmp_path)
@@ -377,6 +388,7 @@ def test_host_adamw_times_ranks_stepping_together_on_their_share_of_the_cores(tm
         assert r["gb_per_s_total"] == pytest.approx(r["ranks"] * r["gb_per_s_per_rank"], abs=0.11)
 
 
+@pytest.mark.slow
 def test_scaling_names_the_counts_it_skips(monkeypatch, tmp_path, capsys):
     import results
     import scaling
@@ -423,6 +435,7 @@ def fsdp_and_ddp_run(tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess]
                                 "--parallel.defer_grad_sync", results_dir=tmp_path)
 
 
+@pytest.mark.slow
 def test_fsdp_and_ddp_train_alike_on_two_cpu_ranks(script_run):
     """Also with gradient sync deferred to the last micro-batch, which DDP does as no_sync()."""
     results, proc = script_run.result()
@@ -469,6 +482,7 @@ def loader_workers_run(tmp_path: Path) -> tuple[subprocess.CompletedProcess, str
     return proc, (tmp_path / "log").read_text(), left
 
 
+@pytest.mark.slow
 def test_fsdp_vs_ddp_worker_leaves_no_loader_worker_running(script_run):
     """A loader worker ignores SIGTERM and notices only within 5 s that its rank is gone: left running, it holds the
     output pipes that the launcher (runs.run) reads to their end, delaying each run by as much. Here the ranks write
@@ -496,6 +510,7 @@ def test_fsdp_vs_ddp_refuses_a_config_before_any_run(flags, bf16, error, monkeyp
     assert exit_.value.code == 2 and f"error: {error}" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_fsdp_vs_ddp_counts_a_worker_that_failed_after_reporting_as_failed(monkeypatch, tmp_path):
     import fsdp_vs_ddp
     import results
@@ -529,6 +544,7 @@ def checkpoint_io_runs(tmp_path: Path) -> tuple[Path, subprocess.CompletedProces
             run_script("checkpoint_io.py", *args, "--train.micro_batch_size", "0", results_dir=tmp_path / "bad"))
 
 
+@pytest.mark.slow
 def test_checkpoint_io_loads_from_disk_and_records_a_failed_run(script_run):
     """Saves at step 3 and the last, 5; the resume to step 6 saves nothing, though the interval divides 6. With
     checksums, the resume checks them first (timed); without, it has none to check."""
@@ -553,6 +569,7 @@ CHECKED_LOG = ("[rank0] 14:00:02 checked /c/step_3: 3 files (0.012 GB) match the
                "files checked by this process in 0.05 s)\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved,resumed,error", [
     ("", "[rank0] no complete checkpoint in /c: starting fresh\n", "no save completed in 3 steps"),
     (SAVED_LOG, "[rank0] no complete checkpoint in /c: starting fresh\n", "resume: no checkpoint loaded"),
@@ -593,6 +610,7 @@ def test_page_cache_drop_flushes_each_file_before_evicting_it(monkeypatch, tmp_p
         assert calls[at + 1] == ("fadvise", path, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+@pytest.mark.slow
 def test_collectives_reads_the_doctors_last_line_and_records_every_failure():
     from collectives import bare_row, doctor_rows
 
@@ -625,6 +643,7 @@ def collectives_run(tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess]:
                                     env={**os.environ, "BENCH_RESULTS_DIR": str(tmp_path), FAULT_VAR: "wrong:rank=1"})
 
 
+@pytest.mark.slow
 def test_collectives_fails_when_the_doctors_checks_fail(script_run):
     """The doctor on two gloo ranks, rank 1 contributing wrong data: its row holds the checks that failed as the
     error. (On CPU the bare NCCL loop cannot run at all: its row fails too.)"""
@@ -646,6 +665,7 @@ def test_attention_times_each_step_from_fresh_gradients():
     assert torch.equal(q.grad, once)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failing", [None, "flash"])
 def test_attention_fails_on_any_error_but_the_known_missing_gqa_kernel(failing, monkeypatch, tmp_path):
     """SDPA as on a GPU, run on the CPU: the memory-efficient backend has no kernel for grouped KV heads (the row's
@@ -722,6 +742,7 @@ def gpu_check(tmp_path: Path, *args: str, results_dir: Path | None = None,
     return proc, calls.read_text().splitlines() if calls.exists() else []
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_every_part_after_a_failure_and_exits_non_zero(tmp_path):
     """The failed part is reported, later parts still run, and one GPU gets no 2-rank collectives."""
     proc, calls = gpu_check(tmp_path, "1", "tests", "collectives")
@@ -729,12 +750,14 @@ def test_gpu_check_runs_every_part_after_a_failure_and_exits_non_zero(tmp_path):
     assert [c for c in calls if "collectives.py" in c] == ["benchmarks/collectives.py --nproc 1"]
 
 
+@pytest.mark.slow
 def test_gpu_check_refuses_an_unknown_part_before_running_any(tmp_path):
     proc, calls = gpu_check(tmp_path, "1", "plan", "bogus")
     assert proc.returncode == 2 and "unknown part: bogus (the parts: tests collectives" in proc.stdout, proc.stdout
     assert calls == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ngpu,counts", [("1", "1"), ("2", "1 2"), ("3", "1 2 3"), ("4", "1 2 4"), ("8", "1 2 4 8")])
 def test_gpu_check_scales_weakly_up_to_the_gpus_it_was_given(ngpu, counts, tmp_path):
     proc, calls = gpu_check(tmp_path, ngpu, "small")
@@ -749,6 +772,7 @@ def own_files_run(tmp_path: Path) -> Path:
     return tmp_path / "results"
 
 
+@pytest.mark.slow
 def test_gpu_check_s_own_files_start_with_what_the_json_files_record(script_run):
     """The header of profile_llama3_8b.log: the commit, torch and CUDA, and the environment gpu_check.sh exports
     in the command. (The stand-in python3 trains nothing, so the profile part itself fails.)"""
@@ -784,6 +808,7 @@ def profile_runs(tmp_path: Path) -> Path:
     return tmp_path / "results"
 
 
+@pytest.mark.slow
 def test_gpu_check_s_profile_log_holds_this_run_only_and_why_it_failed(script_run):
     """Run twice, each time out of memory: the log starts with the second run's header (it was appended to), holds no
     kernels of a trace an earlier run left in the run's folder, and says why the run failed (grep kept only the
@@ -804,6 +829,7 @@ def clocks_run(tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess]:
     return tmp_path / "results", proc
 
 
+@pytest.mark.slow
 def test_gpu_check_s_clocks_log_says_why_a_run_failed(script_run):
     results, proc = script_run.result()
     assert proc.returncode == 1

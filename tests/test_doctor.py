@@ -166,6 +166,7 @@ def test_link_verdict_tells_a_host_s_transport_from_the_network():
     assert "1 -> 2 (a -> b)" in between and "NCCL_IB_DISABLE=1" in between and "Within a host" not in between
 
 
+@pytest.mark.slow
 def test_failed_run_exits_without_waiting_on_the_group_teardown():
     # Stand-in for NCCL's teardown after a failed collective, which can block for good.
     script = ("import threading\n"
@@ -192,6 +193,7 @@ REFUSED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", REFUSED)
 def test_nonsensical_arguments_are_refused_like_argparse_before_anything_runs(doctor_run, case):
     proc, _ = doctor_run.result()
@@ -210,6 +212,7 @@ def test_every_variable_the_trainer_sets_is_explained(tmp_path, monkeypatch):
     assert new and new <= doctor.KNOWN_VARIABLES.keys(), new - doctor.KNOWN_VARIABLES.keys()
 
 
+@pytest.mark.slow
 def test_single_process(doctor_run):
     proc, _ = doctor_run.result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -234,6 +237,7 @@ def fake_nvidia_smi(folder: Path, script: str) -> str:
     return str(folder)
 
 
+@pytest.mark.slow
 def test_a_slow_topology_query_leaves_the_other_ranks_time(tmp_path):
     """Rank 0 asks nvidia-smi for the topology while the others wait for it in the first check: a slow
     nvidia-smi must not use up their deadline."""
@@ -245,6 +249,7 @@ def test_a_slow_topology_query_leaves_the_other_ranks_time(tmp_path):
     assert all(check["ok"] for check in report["checks"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_rank_wedged_in_its_own_gpu_queries_is_named(doctor_run, rank):
     """Stuck before any collective (a CUDA query or nvidia-smi in a wedged driver): named as such, not as a
@@ -254,6 +259,7 @@ def test_a_rank_wedged_in_its_own_gpu_queries_is_named(doctor_run, rank):
     assert f"rank(s) {rank} are stuck gathering their facts" in check["error"]
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_joins_is_reported_by_rank_0_even_if_rank_0_started_late(tmp_path):
     """Without a group there is no store to wait on: the other ranks must not exit (and have torchrun stop rank 0)
     before rank 0, whose deadline comes later when it started later, has written the report."""

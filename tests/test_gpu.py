@@ -125,6 +125,7 @@ def _train_cli(tmp_path, *flags):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_a_run_the_plan_rejects_stops_before_allocating(tmp_path):
     proc = _train_cli(tmp_path, "--model.name", "70b", "--train.seq_len", "8192", "--train.micro_batch_size", "1")
     assert proc.returncode == 2
@@ -132,6 +133,7 @@ def test_a_run_the_plan_rejects_stops_before_allocating(tmp_path):
     assert "error: [rank 0] memory plan: " in proc.stderr
 
 
+@pytest.mark.slow
 def test_cuda_oom_names_rank_phase_and_plan(tmp_path):
     proc = _train_cli(tmp_path, "--model.name", "1b", "--train.seq_len", "4096", "--train.micro_batch_size", "4",
                       "--memory.limit_gib", "20", "--memory.ignore_plan", "--memory.oom_snapshot")
@@ -181,6 +183,7 @@ def _two_gpu_run(out, flag: str) -> tuple[list[float], str]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()], proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gradients_in_the_compute_pool_train_identically_on_two_gpus(tmp_path):
     """The same, sharded over two GPUs with NCCL, on blocks large enough for the CPU to run ahead of the GPU:
@@ -189,6 +192,7 @@ def test_gradients_in_the_compute_pool_train_identically_on_two_gpus(tmp_path):
     assert len(pooled) == 8 and pooled == _two_gpu_run(tmp_path / "apart", "no_grads_in_compute_pool")[0]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_all_gathers_on_the_copy_engines_train_identically_on_two_gpus(tmp_path):
     """parallel.copy_engine_all_gather: the all-gathers into NCCL symmetric memory under NCCL's zero-CTA policy
@@ -216,6 +220,7 @@ def test_gradients_in_the_compute_pool_refuse_accumulation_with_sync_on_every_mi
         model(tokens).float().logsumexp(-1).mean().backward()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cpu_offload_trains_on_two_gpus(tmp_path):
     """With the gradients in host memory, the global gradient norm is all-reduced over gloo beside NCCL, and each
@@ -260,6 +265,7 @@ def _faulty_job(tmp_path, fault: str, timeout_s: int, *model_flags: str):
                         "--checkpoint.interval", "0", "--checkpoint.no_save_final", timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_a_crash_under_nccl_ends_the_job_at_once_naming_the_rank(tmp_path):
     """The crashed rank aborts its NCCL groups: a graceful teardown would wait for the peer it left inside a
@@ -270,6 +276,7 @@ def test_a_crash_under_nccl_ends_the_job_at_once_naming_the_rank(tmp_path):
     assert elapsed < 60, elapsed
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_a_hung_rank_under_nccl_is_the_only_suspect(tmp_path):
     """Rank 1 hangs outside any collective at its 4th step. With a model whose steps fill the GPU (Llama 3.2 1B,

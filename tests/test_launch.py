@@ -81,6 +81,7 @@ def stand_in(tmp_path: Path, name: str, body: str) -> None:
 
 # ----------------------------------------------------------------------------------------------- static checks
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_shell_syntax(name):
     result = subprocess.run(["bash", "-n", str(LAUNCH / name)], capture_output=True, text=True, timeout=10)
@@ -92,6 +93,7 @@ SHELLCHECK = shutil.which("shellcheck", path=os.pathsep.join([str(Path(sys.execu
                                                                os.environ.get("PATH", "")]))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck is not installed (the dev extra installs it)")
 def test_shellcheck():
     files = [*(str(LAUNCH / name) for name in SCRIPTS), str(REPO / "benchmarks" / "gpu_check.sh")]
@@ -100,6 +102,7 @@ def test_shellcheck():
     assert result.returncode == 0, result.stdout
 
 
+@pytest.mark.slow
 def test_run_sh_dry_run():
     env = launch_env(DRY_RUN="1", NGPU="4")
     result = script("run.sh", "--config", "configs/debug.toml", "--train.steps", "5", "--parallel.no_compile",
@@ -119,6 +122,7 @@ def test_run_sh_dry_run():
     assert {"--log-dir=/logs/run 1", "--tee=3", "--local-ranks-filter=0"} <= set(logged)
 
 
+@pytest.mark.slow
 def test_run_sh_runs_torchrun_with_defaults(tmp_path):
     """Without DRY_RUN the script execs the printed command: a stand-in torchrun shows its arguments and the
     environment it got. The GPU count comes from nvidia-smi -L, and is 1 (CPU) without nvidia-smi."""
@@ -135,6 +139,7 @@ def test_run_sh_runs_torchrun_with_defaults(tmp_path):
     assert "ALLOC=garbage_collection_threshold:0.8" in result.stdout  # a user's setting wins
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("visible,ngpu", [("", 1), ("-1", 1), ("NoDevFiles", 1), ("2,0", 2)],
                          ids=["empty", "minus-one", "NoDevFiles", "two"])
 def test_cuda_visible_devices_wins_over_nvidia_smi_even_when_it_hides_every_gpu(tmp_path, visible, ngpu):
@@ -146,6 +151,7 @@ def test_cuda_visible_devices_wins_over_nvidia_smi_even_when_it_hides_every_gpu(
     assert f"--nproc-per-node={ngpu}" in printed_command(result.stdout)
 
 
+@pytest.mark.slow
 def test_multinode_dry_run():
     env = launch_env(DRY_RUN="1", NNODES="2", HEAD="node0", JOB_ID="job7", NGPU="8")
     result = script("multinode.sh", "--config", "configs/llama3_8b.toml", "--train.steps", "50", env=env)
@@ -177,6 +183,7 @@ def test_slurm_header():
     assert any(o.startswith("--output=") for o in header)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_scontrol", [False, True])
 def test_slurm_dry_run(tmp_path, with_scontrol):
     if with_scontrol:  # a stand-in that expands the node list the way scontrol does
@@ -208,6 +215,7 @@ def test_slurm_dry_run(tmp_path, with_scontrol):
     assert "REPO_DIR=" in elsewhere.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["run.sh", "multinode.sh", "slurm.sbatch"])
 def test_no_log_flags_add_no_word(name):
     """LOG_RANKS=all without LOG_DIR: log_flags prints nothing, and the command gets no word for it (not an empty
@@ -223,6 +231,7 @@ def test_no_log_flags_add_no_word(name):
     assert text.count('"${logging[@]}"') == text.count('${logging[@]+"${logging[@]}"}') == 1
 
 
+@pytest.mark.slow
 def test_k8s_manifest():
     yaml = pytest.importorskip("yaml")
     docs = [d for d in yaml.safe_load_all((LAUNCH / "k8s.yaml").read_text()) if d]
@@ -309,6 +318,7 @@ def test_readme_config_table_and_data_sources_match_the_configs():
     assert named == synthetic, (names, synthetic)
 
 
+@pytest.mark.slow
 def test_readme_quick_start_logs_the_loss_it_quotes(tmp_path):
     """The set-up command trains the default config; the first loss it logs is the one the README quotes. The
     steps up to the README's step are those of the full run (the warmup does not depend on train.steps)."""
@@ -405,6 +415,7 @@ def uninterrupted(tmp_path_factory):
     return {"dir": root / "out", "codes": codes, "logs": logs, "seconds": time.monotonic() - started}
 
 
+@pytest.mark.slow
 @needs_proc
 def test_two_nodes(uninterrupted):
     assert uninterrupted["codes"] == [0, 0], "\n\n".join(uninterrupted["logs"])
@@ -418,6 +429,7 @@ def test_two_nodes(uninterrupted):
     print(f"two-node run: {uninterrupted['seconds']:.1f} s")
 
 
+@pytest.mark.slow
 @needs_proc
 def test_elastic_restart_resumes_exactly(uninterrupted, tmp_path):
     """SIGKILL one node's training process mid-run: torchrun restarts the group (max-restarts 1), the ranks resume
@@ -465,6 +477,7 @@ sys.exit(0 if stopped() else 3)
 FAKE_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', *sys.argv[1:]]))"
 
 
+@pytest.mark.slow
 @needs_proc
 def test_a_signal_before_the_ranks_handle_it_is_relayed_once_they_do(tmp_path):
     """SIGUSR1 at once, before torchrun's ranks exist or handle it: the relay keeps it until they do, instead of
@@ -525,6 +538,7 @@ def slurm_job_env(tmp_path: Path, **extra: str) -> dict[str, str]:
                       SLURM_SUBMIT_DIR=str(REPO), NGPU="2", PORT=str(free_port()), LOG_RANKS="all", **extra)
 
 
+@pytest.mark.slow
 @needs_proc
 def test_slurm_preemption_chain(tmp_path):
     """slurm.sbatch with stand-ins for srun and scontrol on one "node" of 2 ranks, DataLoader workers on:
@@ -603,6 +617,7 @@ def start_up_job(tmp_path: Path, count: str, refused: bool) -> EndedJob:
     return EndedJob(tmp_path, code, log.read_text(), record.read_text(), calls.read_text())
 
 
+@pytest.mark.slow
 @needs_proc
 @pytest.mark.parametrize("case", START_UP)
 def test_slurm_stop_during_start_up_is_requeued_3_times_in_a_row_at_most(slurm_job, case):
@@ -682,6 +697,7 @@ def ended_relay_job(tmp_path: Path, *, signal_again: bool = False, **job) -> End
     return EndedJob(tmp_path, code, log.read_text(), record.read_text(), calls.read_text())
 
 
+@pytest.mark.slow
 def test_slurm_passes_one_sigusr1_to_the_relay_of_its_node(slurm_job):
     """SIGUSR1 before this node's relay is up waits for it (srun, still creating its step, would die of it), and a
     second one (the time limit's warning after a preemption's, say) is not passed on: the ranks would take it as
@@ -707,6 +723,7 @@ def unsignalled_relay_job(tmp_path: Path, announce: str, mktemp_fails: bool, tmp
     return ended_relay_job(tmp_path, announce=announce, **extra)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", UNSIGNALLED)
 def test_slurm_stop_goes_through_scancel_when_this_nodes_relay_cannot_be_signalled(slurm_job, case):
     """The relay's pid file may never come (a step with its own /tmp or TMPDIR, sbatch --export=NONE), or name a
@@ -722,6 +739,7 @@ def test_slurm_stop_goes_through_scancel_when_this_nodes_relay_cannot_be_signall
     assert ("cannot create a folder" in text) == mktemp_fails, text
 
 
+@pytest.mark.slow
 def test_slurm_sends_the_stop_through_scancel_again_while_srun_creates_its_step(slurm_job):
     """No relay of this node can be signalled, and srun takes 15 s to create its step: the first scancel, 10 s into
     the stop's wait, finds no task to signal; the second, 10 s later, reaches the relay."""
@@ -746,6 +764,7 @@ def finished_job(tmp_path: Path) -> EndedJob:
     return EndedJob(tmp_path, code, log.read_text(), record.read_text(), calls.read_text())
 
 
+@pytest.mark.slow
 @needs_proc
 def test_slurm_does_not_requeue_a_run_stopped_with_its_last_checkpoint(slurm_job):
     """A stop that reaches the ranks during the last steps leaves the checkpoint of train.steps: the run is
@@ -766,6 +785,7 @@ def unfound_checkpoints_job(tmp_path: Path) -> EndedJob:
     return ended_relay_job(tmp_path, PYTHON="broken-python")
 
 
+@pytest.mark.slow
 def test_slurm_without_its_checkpoint_folder_does_not_requeue(slurm_job):
     """PYTHON finds the checkpoint folder; where it cannot (fsdp_trainer missing, say), the job says why, in
     python's last line with words, and a clean stop is not requeued: nothing would tell a start-up stopped for ever
@@ -807,6 +827,7 @@ def two_nodes_job(tmp_path: Path) -> EndedJob:
     return EndedJob(tmp_path, code, log.read_text(), here.read_text(), calls.read_text())
 
 
+@pytest.mark.slow
 @needs_proc
 def test_slurm_signals_the_relay_of_its_own_node_when_hostname_is_inherited(slurm_job):
     """Two "nodes" (the second with a stand-in uname) share one pid folder, as on a shared /tmp, and both have the

@@ -80,6 +80,7 @@ def test_model_loss_matches_cross_entropy_of_its_logits(tie, chunk):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_compiled_cross_entropy_matches_eager_in_value_and_gradient():
     from fsdp_trainer.loss import compiled_cross_entropy, cross_entropy
     g = torch.Generator().manual_seed(0)

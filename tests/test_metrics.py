@@ -187,6 +187,7 @@ def phases_over_two_ranks(data_ms: list[float]) -> tuple[dict, list[str]]:
     return m.log(5, 1.0, 1.0, 1e-3), lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slow", [0, 1])
 def test_the_logged_phase_times_are_the_slowest_rank_s_and_name_the_rank_that_waited_for_data(slow):
     """A rank whose data are slow stalls the others in the next collective, where its wait would count as their

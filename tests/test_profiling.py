@@ -57,6 +57,7 @@ def test_kernel_categories_and_step_ranges():
             parse_steps(bad)
 
 
+@pytest.mark.slow
 def test_profiled_run_writes_a_chrome_trace_of_exactly_its_steps(tmp_path):
     """Steps 2 to 4 of 5: three optimizer ranges in the trace, one a step (a window off by one step has two or four)."""
     out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--config", "configs/debug.toml", *TINY_FLAGS,

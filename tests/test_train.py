@@ -199,6 +199,7 @@ def assert_matches_float32_reference(results, cfg, *, update_rtol, **tolerances)
 LAST_UNIT = ["norm", "output"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,parallel,gathered,gathers_before_block_0", [
     (2, {}, LAST_UNIT, 2),                                # the embedding's all-gather, then block 0's
     (4, {}, LAST_UNIT, 2),
@@ -223,6 +224,7 @@ def test_sharded_matches_single_process_reference(tmp_path, world_size, parallel
         assert result["gathers_before_block_0"] == gathers_before_block_0
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_stays_close_with_float32_master_weights(tmp_path):
     cfg = tiny_config(parallel={"param_dtype": "bfloat16"}, train={"output_dir": str(tmp_path)})
     results = run_ranks(train_and_gather, 2, cfg)
@@ -233,6 +235,7 @@ def test_bfloat16_compute_stays_close_with_float32_master_weights(tmp_path):
     assert_matches_float32_reference(results, cfg, loss_tol=3.5e-3, grad_norm_rtol=3.5e-3, update_rtol=0.08)
 
 
+@pytest.mark.slow
 def test_tied_embeddings_stay_tied_and_match_reference(tmp_path):
     cfg = tiny_config(model={"tie_embeddings": True}, train={"output_dir": str(tmp_path)})
     results = run_ranks(train_and_gather, 2, cfg)
@@ -242,6 +245,7 @@ def test_tied_embeddings_stay_tied_and_match_reference(tmp_path):
     assert_matches_reference(results, reference_run(cfg, 2), loss_tol=2e-5, param_tol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ac,recomputed", [
     ({"mode": "full"}, (2, 2)),
     ({"mode": "selective", "every": 2}, (1, 1)),          # the second block only
@@ -257,6 +261,7 @@ def test_activation_checkpointing_under_fsdp_matches_reference(tmp_path, ac, rec
     assert (ops["silu"] - blocks, ops[SDPA] - blocks) == recomputed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,parallel,tolerances", [
     ({}, {}, {"loss_tol": 2e-5, "update_rtol": 1e-4}),
     ({"tie_embeddings": True}, {}, {"loss_tol": 2e-5, "update_rtol": 1e-4}),
@@ -299,6 +304,7 @@ def test_train_step_does_not_derive_the_model_s_args_again(monkeypatch):
     one_llama_step(tiny_config())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("defer", [False, True])
 def test_gradient_accumulation_equals_one_large_batch(tmp_path, defer):
     """2 ranks x 2 micro-batches x 2 samples == one process with one micro-batch of 8 samples."""
@@ -331,6 +337,7 @@ def gather_initial_weights(*cfgs):
     return results
 
 
+@pytest.mark.slow
 def test_meta_init_is_world_size_independent_and_equals_eager_init():
     """On 1 rank, and on 3, whose shards are uneven; 2 and 4 ranks are pinned by the comparisons with the eagerly
     initialized reference above. Another seed gives other weights (on 1 rank, in the same launch)."""
@@ -347,6 +354,7 @@ def test_meta_init_is_world_size_independent_and_equals_eager_init():
     assert not torch.equal(other_seed[0][wq], eager.state_dict()[wq])
 
 
+@pytest.mark.slow
 def test_default_run_trains_and_writes_logs(tmp_path):
     """The one-command run, shortened: loss falls on real text; config, environment and TensorBoard written."""
     out = tmp_path / "run"
@@ -413,6 +421,7 @@ def test_a_run_the_plan_rejects_is_refused_on_every_node_before_the_process_grou
     assert "error: [rank 9] memory plan: 8.03B params on 16 GPUs" in err and "--memory.ignore_plan" in err
 
 
+@pytest.mark.slow
 def test_float16_with_loss_scaling_trains_under_fsdp(tmp_path):
     """The float16 path (GPUs without bf16): torch.amp's scaler on FSDP2's DTensor gradients, over real ranks.
     The CLI allows float16 only on CUDA; run() itself works on CPU, which is what this checks. The gradients are
@@ -470,6 +479,7 @@ def train_overflowing_on_one_rank(cfg, overflow_step: int):
             "names": sorted(local_state(result["model"], result["optimizer"]))}
 
 
+@pytest.mark.slow
 def test_a_gradient_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     """float16: the loss scaler must skip the step on every rank, though only rank 1's gradient shard overflowed,
     or the ranks would apply different updates to the weights they share: their scalers see it because torch.amp
@@ -517,6 +527,7 @@ def train_recording_collections(cfg):
     return {"collections": collections, "automatic": automatic, "enabled_after": gc.isenabled()}
 
 
+@pytest.mark.slow
 def test_garbage_is_collected_only_at_the_scheduled_steps(tmp_path):
     """With train.gc_every=3 the only collections between the first and the last step are full ones after steps
     3 and 6; automatic collection is off during the steps and back on afterwards. Without it, the same steps
