@@ -55,11 +55,11 @@ def test_unknown_toml_key_names_key_file_and_closest_match(tmp_path, text, expec
 
 
 def test_missing_and_malformed_config_files(tmp_path):
-    with pytest.raises(ConfigError, match="no such file"):
+    with pytest.raises(ConfigError, match=r"absent.toml: not a readable TOML file \(No such file or directory\)"):
         load_toml(tmp_path / "absent.toml")
     bad = tmp_path / "bad.toml"
     bad.write_text("[train\nsteps = 1")
-    with pytest.raises(ConfigError, match="not valid TOML"):
+    with pytest.raises(ConfigError, match=r"bad.toml: not a readable TOML file \(Expected"):
         load_toml(bad)
 
 
@@ -73,16 +73,16 @@ def test_mesh_shape(replicate, shard, world, expected):
 
 
 @pytest.mark.parametrize("replicate,shard,world,message", [
-    (3, -1, 8, "parallel.dp_replicate=3 does not divide the 8 ranks"),
-    (2, 2, 8, "2 x 2 = 4, but this job has 8 ranks; set parallel.dp_shard=-1"),
-    (4, 2, 6, "parallel.dp_replicate=4 does not divide the 6 ranks of this job; use a divisor of 6"),
+    (3, -1, 8, "3 x 2 = 6, but this job has 8 ranks; set dp_shard=-1 (the rest) and a dp_replicate that divides it"),
+    (2, 2, 8, "2 x 2 = 4, but this job has 8 ranks; set dp_shard=-1"),
+    (4, 2, 6, "4 x 2 = 8, but this job has 6 ranks"),
     (0, -1, 8, "parallel.dp_replicate=0: must be at least 1"),
-    (1, 0, 8, "parallel.dp_shard=0"),
+    (1, 0, 8, "1 x 0 = 0, but this job has 8 ranks; set dp_shard=-1"),
 ])
 def test_impossible_mesh_is_rejected(replicate, shard, world, message):
     cfg = Config()
     cfg.parallel.dp_replicate, cfg.parallel.dp_shard = replicate, shard
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         validate(cfg, world, "cpu")
 
 
@@ -91,7 +91,7 @@ def test_impossible_mesh_is_rejected(replicate, shard, world, message):
     ("train", "micro_batch_size", 0, "train.micro_batch_size=0: must be at least 1"),
     ("model", "name", "9b", "model.name='9b' is not a preset; choose one of debug, 125m"),
     ("model", "n_kv_heads", 3, "model.n_kv_heads=3 must divide model.n_heads=8"),
-    ("optim", "min_lr", 1.0, "the cosine decay needs 0 <= min_lr <= lr"),
+    ("optim", "min_lr", 1.0, "optim.lr=0.002, optim.min_lr=1.0: the cosine decay needs min_lr <= lr"),
     ("parallel", "compile", True, "parallel.compile needs a CUDA GPU"),
     ("parallel", "cpu_offload", True, "parallel.cpu_offload needs a CUDA GPU"),
     ("parallel", "param_dtype", "float16", "parallel.param_dtype=float16 needs a CUDA GPU"),
@@ -99,21 +99,19 @@ def test_impossible_mesh_is_rejected(replicate, shard, world, message):
     ("memory", "oom_snapshot", True, "memory.oom_snapshot needs a CUDA GPU"),
     ("profile", "memory_snapshot", True, "profile.memory_snapshot records the steps of profile.steps, which is not"),
     ("parallel", "prefetch", 0, "parallel.prefetch=0: must be at least 1"),
-    ("parallel", "offload_threads", -1, "parallel.offload_threads=-1: must be >= 0 (0: this rank's share"),
-    ("train", "loss_chunk_tokens", -1, "train.loss_chunk_tokens=-1: must be >= 0"),
-    ("train", "gc_every", -1, "train.gc_every=-1: must be >= 0"),
+    ("parallel", "offload_threads", -1, "parallel.offload_threads=-1: must be at least 0"),
+    ("train", "loss_chunk_tokens", -1, "train.loss_chunk_tokens=-1: must be at least 0"),
+    ("train", "gc_every", -1, "train.gc_every=-1: must be at least 0"),
     ("parallel", "keep_gathered", 5, "parallel.keep_gathered=5: must be between 0 and the model's 4 blocks"),
-    ("checkpoint", "write_threads", 0, "checkpoint.write_threads=0: both must be >= 1"),
-    ("checkpoint", "keep", 0, "checkpoint.keep=0 and checkpoint.write_threads=4: both must be >= 1"),
+    ("checkpoint", "write_threads", 0, "checkpoint.write_threads=0: must be at least 1"),
+    ("checkpoint", "keep", 0, "checkpoint.keep=0: must be at least 1"),
     ("model", "n_layers", 0, "model.n_layers=0: must be at least 1"),
     ("model", "n_heads", 0, "model.n_heads=0: must be at least 1"),
-    ("optim", "betas", (1.5, 0.9), "optim.betas=(1.5, 0.9): each must be in [0, 1)"),
-    ("optim", "betas", (0.9, 1.0), "optim.betas=(0.9, 1.0): each must be in [0, 1)"),  # AdamW divides by 1 - beta2**t
-    ("optim", "weight_decay", -0.1, "optim.weight_decay=-0.1"),
-    ("train", "max_skipped_steps", -1, "train.max_skipped_steps=-1: must be >= 0"),
-    ("memory", "limit_gib", -1.0, "memory.limit_gib=-1.0: must be > 0 GiB"),
-    ("dist", "timeout_s", 0.0, "dist.timeout_s=0.0"),
-    ("dist", "init_timeout_s", 1e-7, "dist.init_timeout_s=1e-07: both must be at least 1 second"),
+    ("train", "max_skipped_steps", -1, "train.max_skipped_steps=-1: must be at least 0"),
+    ("memory", "limit_gib", -1.0, "memory.limit_gib=-1.0: must be > 0"),
+    ("dist", "timeout_s", 0.0, "dist.timeout_s=0.0: must be at least 1"),
+    ("dist", "init_timeout_s", 1e-7, "dist.init_timeout_s=1e-07: must be at least 1"),
+    ("optim", "min_lr", -1e-4, "optim.min_lr=-0.0001: must be at least 0"),
     ("optim", "eps", 0.0, "optim.eps=0.0: must be > 0"),
     ("data", "path", "shards", "data.path=shards is set, but data.source=stdlib does not read it: add --data.source "
      "tokens"),
@@ -350,4 +348,4 @@ def test_config_file_path_expands_the_home_folder(tmp_path, monkeypatch):
 def test_a_config_key_in_a_toml_file_is_refused_not_ignored(tmp_path):
     (tmp_path / "base.toml").write_text("[train]\nsteps = 7\n")
     _, message = toml_error(tmp_path, 'config = "base.toml"\n[train]\nseq_len = 64\n')
-    assert "'config' is the --config flag, not a key of the file (one file cannot include another)" in message
+    assert "unknown key 'config'; valid keys: model, data, train" in message
