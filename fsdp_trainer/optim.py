@@ -1,6 +1,4 @@
-"""AdamW, the learning-rate schedule, and gradient clipping by the true global norm."""
-
-from __future__ import annotations
+"""AdamW, the learning-rate schedule, gradient clipping by the true global norm, and skipping non-finite steps."""
 
 import math
 from typing import Optional
@@ -14,12 +12,8 @@ from fsdp_trainer.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """Fused AdamW over the (sharded, float32) parameters; no weight decay on norms and other 1-D parameters.
-
-    Fused on every device: one pass over each parameter's state with no temporaries, on the CPU too (CPU offload,
-    CPU runs), where it runs 4-5x faster than the foreach form. Its `grad_scale` input is how clip_grad_norm
-    clips without a pass of its own over the gradients, and `found_inf` how faults.NonFiniteGuard skips a step
-    without a host sync."""
+    """Fused AdamW (on CPU too: one pass over each parameter's state) over the sharded float32 parameters, without
+    weight decay on norms and other 1-D parameters. `grad_scale` clips and `found_inf` skips, without a host sync."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
@@ -48,14 +42,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
 
 
 def follow_current_schedule(scheduler, cfg: OptimConfig) -> None:
-    """After a resume: go on from the saved step with this run's optim settings and train.steps (the scheduler's
-    factor was built from this run's config and step count; loading its state keeps that function).
-
-    Loading LambdaLR's state brings back the saved run's base rate, and the optimizer's groups their last rate, so a
-    new optim.lr would otherwise apply only as a ratio to the old one, and only from the step after next."""
+    """After a resume: this run's optim settings from the saved step on. LambdaLR's state brings back the saved base
+    rate and the groups' last rate: a new optim.lr would apply only as a ratio, and only from the step after next."""
     scheduler.base_lrs = [cfg.lr] * len(scheduler.base_lrs)
-    # LambdaLR's own arithmetic (base rate x factor), not lr_at: they can differ in the last bit, and a resumed
-    # run must apply the rates of an uninterrupted one exactly.
+    # LambdaLR's own arithmetic, not lr_at: a resumed run must apply an uninterrupted one's rates to the last bit.
     for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base_lr * factor(scheduler.last_epoch)
 
@@ -63,20 +53,13 @@ def follow_current_schedule(scheduler, cfg: OptimConfig) -> None:
 @torch.no_grad()
 def clip_grad_norm(model: nn.Module, max_norm: float, optimizer: Optional[torch.optim.Optimizer] = None
                    ) -> torch.Tensor:
-    """Clip gradients to `max_norm` (0: no clipping) and return the global L2 norm over all shards.
-
-    Given the fused optimizer, the clipping happens in its next step: fused AdamW divides each gradient by its
-    `grad_scale` as it reads it (and writes the clipped gradient back, as the multiply would), which saves the
-    multiply's own read of every float32 gradient: 1.35 ms of kernels in a 2.8B-parameter step on an H200. Without
-    it (the float16 loss scaler sets `grad_scale` itself) the gradients are multiplied in place.
-
-    For sharded (DTensor) gradients each rank's norm covers only its shard: DTensor reduces the partial norms
-    across the mesh (as it combines the per-gradient norms; at the latest in `full_tensor()`), so that clipping and
-    logging use the norm of the whole gradient, as a plain tensor."""
+    """Clip gradients to `max_norm` (0: no clipping); return the global L2 norm over all shards, as a plain tensor.
+    Given the fused optimizer, its next step divides each gradient by `grad_scale` as it reads it, saving a pass over
+    the gradients; without it (the float16 loss scaler sets `grad_scale` itself) they are multiplied in place."""
     params = [p for p in model.parameters() if p.grad is not None]
     total_norm = get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
     if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()
+        total_norm = total_norm.full_tensor()  # the shards' partial norms reduced: the whole gradient's norm
     if max_norm <= 0:
         return total_norm
     if optimizer is not None:
@@ -91,30 +74,19 @@ class NonFiniteError(RuntimeError):
     pass
 
 
-MIN_LOSS_SCALE = 1.0
-"""float16's loss scale below which a run has diverged: the scaler halves it at every overflow, and under 1 the
-gradients overflow even unscaled."""
-
-
-_NONFINITE_FIXES = "Lower optim.lr, raise optim.warmup_steps, check the data around that step"
+MIN_LOSS_SCALE = 1.0  # below it, float16's gradients overflow even unscaled: the run has diverged
+_FIXES = "Lower optim.lr, raise optim.warmup_steps, check the data"
 
 
 class NonFiniteGuard:
-    """Skips optimizer updates whose global grad norm is not finite, without a host sync on GPU.
-
-    Fused AdamW (optim.build_optimizer's) accepts a `found_inf` tensor and then leaves weights, moments and step
-    count untouched, all on the device.
-    The count of skipped steps and the first one's number are read on logging steps and before checkpoints.
-    A resumed run starts from the step and the count of skipped steps of its checkpoint: both are the whole run's.
-    With float16 the loss scaler skips overflowing steps itself, as part of finding its scale, so they are not
-    counted: the run stops instead when the scale falls below MIN_LOSS_SCALE."""
+    """Skips the updates whose global grad norm is not finite, on the device (fused AdamW's `found_inf`), and counts
+    them for the whole run, read on logging steps and before saves. Under float16 the loss scaler skips them itself;
+    the run stops once its scale falls below MIN_LOSS_SCALE."""
 
     def __init__(self, device: torch.device, mode: str, max_skipped: int, start_step: int = 0, skipped: int = 0,
                  scaler: Optional[torch.amp.GradScaler] = None):
-        self.scaler = scaler
-        self.mode, self.max_skipped, self.step_number = mode, max_skipped, start_step
-        self.skipped_before = skipped
-        self.skipped = torch.full((), skipped, device=device, dtype=torch.int64)
+        self.mode, self.max_skipped, self.step_number, self.scaler = mode, max_skipped, start_step, scaler
+        self.skipped_before, self.skipped = skipped, torch.full((), skipped, device=device, dtype=torch.int64)
         self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)
 
     def step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
@@ -127,26 +99,20 @@ class NonFiniteGuard:
         optimizer.step()
 
     def check(self) -> int:
-        """Raise if the configured limit is exceeded; return the number of skipped steps. A host sync."""
+        """Raise if the configured limit is exceeded; return the number of skipped steps (a host sync)."""
         if self.scaler is not None and self.scaler.get_scale() < MIN_LOSS_SCALE:
-            raise NonFiniteError(
-                f"the float16 loss scale fell to {self.scaler.get_scale():g}: the gradients overflow even unscaled, "
-                "so every step is skipped. Lower optim.lr, raise optim.warmup_steps, check the data, or train in "
-                "bfloat16 on a GPU that has it.")
+            raise NonFiniteError(f"the float16 loss scale fell to {self.scaler.get_scale():g}: the gradients overflow "
+                                 f"even unscaled, so every step is skipped. {_FIXES}, or train in bfloat16.")
         skipped = int(self.skipped.item())
-        # stop: any non-finite step since this run started; skip: more than max_skipped in the whole run, which may
-        # all predate the resume if the limit was lowered.
+        # stop: any since this run started; skip: more than max_skipped in the whole run, perhaps all before a resume
         if self.mode == "stop" and skipped > self.skipped_before:
-            raise NonFiniteError(
-                f"non-finite loss or gradient norm at step {int(self.first_bad.item())} (train.on_nonfinite=stop). "
-                f"Its update was not applied and no checkpoint was written after it. {_NONFINITE_FIXES}, or set "
-                "train.on_nonfinite=skip to skip such steps.")
+            raise NonFiniteError(f"non-finite loss or gradient norm at step {int(self.first_bad.item())}, not applied "
+                                 f"and followed by no checkpoint. {_FIXES} around it, or set train.on_nonfinite=skip.")
         if self.mode == "skip" and skipped > self.max_skipped:
             first = int(self.first_bad.item())
             since = (f"the first of this run at step {first}" if first >= 0 else
                      "all before the checkpoint this run resumed from")
-            raise NonFiniteError(
-                f"{skipped} steps with a non-finite loss or gradient norm were skipped ({since}), more than "
-                f"train.max_skipped_steps={self.max_skipped}. None of their updates was applied. {_NONFINITE_FIXES}, "
-                "or raise train.max_skipped_steps.")
+            raise NonFiniteError(f"{skipped} steps with a non-finite loss or gradient norm were skipped ({since}), "
+                                 f"more than train.max_skipped_steps={self.max_skipped}. {_FIXES}, or raise "
+                                 "train.max_skipped_steps.")
         return skipped
