@@ -482,7 +482,7 @@ def grads_in_compute_pool(parallel: ParallelConfig, grad_accum_steps: int) -> bo
 def validate(cfg: Config, world_size: int, device_type: str, own_model: bool = False) -> None:
     """Check every setting against the job it will run in; raise ConfigError naming field, value and fix.
     `own_model`: a team's own model is trained (train.main's model_fn), not the Llama of model.*: its context and
-    blocks are checked once it is built (train.check_own_model), not the preset's."""
+    blocks are checked once it is built (tools.model_checks.check_own_model), not the preset's."""
     from fsdp_trainer.models.llama import model_args_from_config
 
     # No float setting means anything at inf or nan (a timeout of inf overflows torch's timedelta, a nan passes

@@ -214,7 +214,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
     if grads_in_compute_pool and (mesh.ndim != 1 or cpu_offload or reduce_dtype != torch.float32):
         raise ValueError("grads_in_compute_pool needs a 1-D mesh, float32 reduction and no CPU offload: the sharded "
                          "gradients must be the reduce-scatter's output itself")
-    blocks, groups = check_units(model, block_types, groups)
+    blocks, groups = blocks_of(model, block_types), [list(group) for group in groups]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp, offload_policy=offload)
@@ -243,117 +243,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type
         for index, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[index + 1:index + 1 + prefetch])
             block.set_modules_to_backward_prefetch(blocks[max(0, index - prefetch):index][::-1])
-
-
-def check_units(model: nn.Module, block_types: Sequence[type], groups: Iterable[Iterable[nn.Module]] = ()
-                ) -> tuple[list[nn.Module], list[list[nn.Module]]]:
-    """The model's blocks and `groups` as apply_fsdp shards them, once checked for what fully_shard would refuse
-    late or obscurely, or do wrong unsaid: trainable parameters in 16 bits, the model itself or a container without
-    a forward as a block, groups not given as lists of modules, a group module outside the model or the model
-    itself, an empty group, a module in two units, a parameter tied across units. Raises TypeError or ValueError
-    naming it."""
-    # fully_shard keeps each parameter's dtype for its shard, the optimizer's master weight: from a model built in
-    # 16 bits, the weights, AdamW's moments and the float32-reduced gradients would all be silently rounded to it.
-    # Frozen parameters have no master weights: a 16-bit frozen base is the model's own choice.
-    low = [name for name, param in model.named_parameters()
-           if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16)]
-    if low:
-        raise ValueError(f"apply_fsdp: trainable parameters in 16 bits ({', '.join(low[:4])}"
-                         f"{' ...' if len(low) > 4 else ''}), but the sharded parameters are the optimizer's master "
-                         "weights; build the model in float32 (param_dtype is the dtype forward and backward compute "
-                         "in)")
-    blocks = blocks_of(model, block_types)
-    if any(block is model for block in blocks):
-        raise ValueError(f"block_types includes {type(model).__name__}, the model's own class, but the model is the "
-                         "root unit, sharded last with whatever no block holds: pass the class of its repeated blocks")
-    for block in blocks:
-        if type(block).forward is nn.Module.forward:  # fully_shard refuses these, but only once it has begun
-            inner = ", ".join(sorted({type(child).__name__ for child in block.children()})) or "none"
-            raise ValueError(f"block_types includes {type(block).__name__}, a container without a forward of its "
-                             "own, which fully_shard cannot shard as a unit: pass the class of the blocks it holds "
-                             f"({inner})")
-    groups = _listed_groups(groups)
-    if not all(groups):
-        raise ValueError("a group in `groups` is empty: each group lists the modules that share one all-gather")
-    present = {id(module) for module in model.modules()}
-    if any(id(module) not in present for group in groups for module in group):
-        raise ValueError("every module in `groups` must be a submodule of the model being sharded")
-    if any(module is model for group in groups for module in group):
-        raise ValueError("the model itself cannot be in `groups`: it is the root unit, sharded last with whatever "
-                         "no block or group holds")
-    # Units must not overlap, nor nest (fully_shard would fail with a bare assertion or an invariant error): every
-    # module under a unit's modules, counted once per unit module that holds it.
-    names = {id(module): name for name, module in model.named_modules()}
-    unit_modules = [*blocks, *(module for group in groups for module in group)]
-    holder: dict[int, int] = {}  # id(module) -> the index in unit_modules of the first that held it
-    for index, module in enumerate(unit_modules):
-        for sub in module.modules():
-            first = holder.setdefault(id(sub), index)
-            if first == index:
-                continue
-            outer = unit_modules[first]
-            if first < len(blocks) and index < len(blocks):  # blocks come outer first, as modules() lists them
-                raise ValueError(f"{names[id(sub)]} is in two FSDP units: the block class {type(module).__name__} "
-                                 f"matches modules inside another block ({names[id(outer)]}, of class "
-                                 f"{type(outer).__name__}): give block_types the class of the outermost repeated "
-                                 "blocks only")
-            raise ValueError(f"{names[id(sub)]} is in two FSDP units (listed twice, a block also in a group, or "
-                             "a group inside or around another unit): give each module to one unit only")
-    _check_ties(model, blocks, groups)
-    return blocks, groups
-
-
-def _listed_groups(groups) -> list[list[nn.Module]]:
-    """`groups` read once into lists (they may be generators), refusing any other form: list() would iterate a
-    module given where its group belongs, or fail on it with a bare TypeError."""
-    form = "groups is a list of lists of modules, e.g. [[model.embed], [model.norm, model.head]], or [] for none"
-    if isinstance(groups, nn.Module):
-        raise TypeError(f"groups is of type {type(groups).__name__}: {form}")
-    listed = []
-    for group in groups:
-        # A ModuleList has no forward of its own to mistake for the unit: it is a list of modules. Any other module
-        # given as a group (a Sequential, a block) would be listed child by child, unsaid.
-        if (isinstance(group, nn.Module) and not isinstance(group, nn.ModuleList)) or not isinstance(group, Iterable):
-            raise TypeError(f"groups holds an item of type {type(group).__name__} where a list of modules belongs: "
-                            f"{form}")
-        group = list(group)
-        strays = [type(item).__name__ for item in group if not isinstance(item, nn.Module)]
-        if strays:
-            raise TypeError(f"a group holds an item of type {strays[0]}, not a module: {form}")
-        listed.append(group)
-    return listed
-
-
-def _check_ties(model: nn.Module, blocks: list[nn.Module], groups: list[list[nn.Module]]) -> None:
-    """Refuse a parameter shared by two sharding units (a block, a group, or the root with what no block or group
-    holds): each unit shards its own copy, which unties it, and FSDP2 refuses only at the first forward."""
-    names = {id(module): name for name, module in model.named_modules()}
-    unit_of = {id(block): f"block {names[id(block)]}" for block in blocks}
-    block_units = set(unit_of.values())
-    for group in groups:
-        unit_of.update({id(module): "group [" + ", ".join(names[id(m)] for m in group) + "]" for module in group})
-    owner: dict[int, tuple[str, str]] = {}  # id(parameter) -> (its first name, its unit)
-
-    def visit(module: nn.Module, prefix: str, unit: str) -> None:
-        unit = unit_of.get(id(module), unit)  # a module belongs to the innermost unit around it
-        for name, param in module.named_parameters(prefix=prefix, recurse=False):
-            first, first_unit = owner.setdefault(id(param), (name, unit))
-            if first_unit != unit:
-                modules = " and ".join(n.rpartition(".")[0] or "the model itself" for n in (first, name))
-                tied = (f"apply_fsdp: {name} (in {unit}) is the same parameter as {first} (in {first_unit}), tied "
-                        "weights, which must live in one FSDP unit")
-                # A module inside a block cannot join a group (nor the root): the block is its unit.
-                if {unit, first_unit} & block_units:
-                    raise ValueError(f"{tied}, and a block's unit is the block: hold the shared weight in one module "
-                                     "registered once on the model, outside the blocks (the root or a group of its "
-                                     "own then holds it), or pass block classes whose modules contain all its users "
-                                     f"({modules})")
-                raise ValueError(f"{tied}: put the modules that share it ({modules}) in one group, or leave them "
-                                 "all out of `groups` so that the root holds them")
-        for name, child in module.named_children():
-            visit(child, f"{prefix}.{name}" if prefix else name, unit)
-
-    visit(model, "", "the root (what no block or group holds)")
 
 
 def _pool_gradients(model: nn.Module, compute_stream: torch.cuda.Stream) -> None:
@@ -397,11 +286,7 @@ def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload:
     - `init_buffers()`: recomputes the buffers (a RoPE table, say), which materializing leaves unset. Without it,
       each buffer is left to its own module's reset, with or without init_param.
     - `tie_weights()`: ties shared parameters again after materializing.
-    A parameter or buffer that none of these would fill is an error, raised before anything is allocated: a
-    parameter counts as filled where its module or any module around it resets, a buffer only where its own
-    module does (a block's reset_parameters() seldom recomputes a RoPE table below it). With
-    `offload` (FSDP's CPU offload) parameters are materialized in host memory and buffers on `device`."""
-    check_initializable(model)
+    With `offload` (FSDP's CPU offload) parameters are materialized in host memory and buffers on `device`."""
     torch.manual_seed(seed)
     model.to_empty(device="cpu" if offload else device)
     if offload:
@@ -423,26 +308,15 @@ def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload:
         return
     if not hasattr(model, "init_buffers"):
         # init_param fills parameters only: each buffer is its own module's reset to fill (a BatchNorm's running
-        # statistics), as _left_unset counted on. The parameters these resets fill too are filled again below.
+        # statistics). The parameters these resets fill too are filled again below.
         for module in _children_first(model):
-            reset = _reset_of(module)
+            reset = reset_of(module)
             if reset and next(module.buffers(recurse=False), None) is not None:
                 reset()
     for name, param in model.named_parameters():
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
         model.init_param(name, full, param_generator(seed, name, full.device))
         _keep_shard(param, full)
-
-
-def check_initializable(model: nn.Module) -> None:
-    """Refuse a meta-device model with parameters or buffers that init_weights would leave unset (_left_unset)."""
-    unset = _left_unset(model)
-    if unset:
-        raise ValueError(f"init_weights cannot initialize {', '.join(unset[:4])}" + (" ..." if len(unset) > 4 else "")
-                         + ": materialized from meta they would hold garbage, and no reset_parameters() of their "
-                         "module (or, for parameters, of a module around it) fills them; give the model "
-                         "init_param(name, full_tensor, generator) for parameters and init_buffers() for buffers, "
-                         "or reset_parameters() to their modules")
 
 
 def _keep_shard(param: nn.Parameter, full: torch.Tensor) -> None:
@@ -457,7 +331,7 @@ def _keep_shard(param: nn.Parameter, full: torch.Tensor) -> None:
 
 def _reset_all(model: nn.Module) -> None:
     for module in _children_first(model):
-        reset = _reset_of(module)
+        reset = reset_of(module)
         if reset:
             reset()
 
@@ -486,7 +360,7 @@ def _full_replicas(model: nn.Module):
         _keep_shard(param, replica)
 
 
-def _reset_of(module: nn.Module):
+def reset_of(module: nn.Module):
     """The method that initializes `module`: its reset_parameters(), or the private _reset_parameters() that
     torch.nn's own modules (MultiheadAttention, Transformer) have instead, which their constructors call."""
     if hasattr(module, "reset_parameters"):
@@ -513,27 +387,6 @@ def _children_first(model: nn.Module) -> list[nn.Module]:
 
     visit(model)
     return order
-
-
-def _left_unset(model: nn.Module) -> list[str]:
-    """Parameters and buffers that init_weights would leave as materialized: uninitialized memory."""
-    unset: list[str] = []
-    seen: set[int] = set()
-
-    def visit(module: nn.Module, prefix: str, reset_around: bool) -> None:
-        seen.add(id(module))
-        resets = _reset_of(module) is not None
-        params = [] if hasattr(model, "init_param") or resets or reset_around else \
-            [n for n, _ in module.named_parameters(prefix, recurse=False)]
-        buffers = [] if hasattr(model, "init_buffers") or resets else \
-            [n for n, _ in module.named_buffers(prefix, recurse=False)]
-        unset.extend(params + buffers)
-        for name, child in module.named_children():
-            if id(child) not in seen:
-                visit(child, f"{prefix}.{name}" if prefix else name, reset_around or resets)
-
-    visit(model, "", False)
-    return unset
 
 
 def param_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
