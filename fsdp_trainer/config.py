@@ -463,14 +463,6 @@ def resolve_param_dtype(name: str, device_type: str) -> str:
     return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
 
 
-def block_ac_modes(n_blocks: int, mode: str, every: int) -> list[str]:
-    """How each block runs under ac.mode: "checkpointed" (whole), "op" (per-op) or "none". Selective checkpoints
-    blocks every, 2*every, ... (1-based). What `parallelize.apply_ac` wraps and the planner prices."""
-    if mode == "selective":
-        return ["checkpointed" if (i + 1) % every == 0 else "none" for i in range(n_blocks)]
-    return [{"none": "none", "op": "op", "full": "checkpointed"}[mode]] * n_blocks
-
-
 def grads_in_compute_pool(parallel: ParallelConfig, grad_accum_steps: int) -> bool:
     """Whether parallel.grads_in_compute_pool applies to this run (see `parallelize.ComputePoolReduceScatter`):
     each sharded gradient must be the reduce-scatter's output itself, written once per zero_grad."""

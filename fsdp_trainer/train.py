@@ -95,7 +95,7 @@ def build_model(cfg: Config, mesh, device: torch.device, model_fn: Optional[Mode
                param_dtype=DTYPES[resolve_param_dtype(p.param_dtype, device.type)],
                reduce_dtype=DTYPES[p.reduce_dtype], reshard_after_forward=p.reshard_after_forward,
                keep_gathered=p.keep_gathered, prefetch=p.prefetch, cpu_offload=p.cpu_offload,
-               grads_in_compute_pool=grads_in_compute_pool(p, cfg.train.grad_accum_steps),
+               grads_in_compute_pool=device.type == "cuda" and grads_in_compute_pool(p, cfg.train.grad_accum_steps),
                symmetric_memory_all_gather=device.type == "cuda" and copy_engines_all_gather(cfg, mesh.size()))
     # A model built eagerly holds its weights already (fully_shard moved them to the mesh's device).
     if any(param.is_meta for param in model.parameters()):

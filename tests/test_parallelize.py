@@ -51,40 +51,34 @@ def test_every_ac_mode_gives_the_gradients_of_no_ac_and_recomputes_what_it_shoul
 
 
 def test_blocks_of_names_the_missing_block_type():
-    with pytest.raises(ValueError, match="has no submodule of type Linear"):
+    with pytest.raises(ValueError, match=r"^Sequential has no submodule of the block classes \(Linear\): pass the "
+                                         "classes of its repeated blocks as block_types"):
         blocks_of(nn.Sequential(nn.ReLU()), (nn.Linear,))
-    with pytest.raises(ValueError, match="^block_types is empty, but TiedLM is sharded block by block: pass the class "
-                                         "of its repeated blocks, or, for a model without any, the class of its "
-                                         "largest submodules"):
+    with pytest.raises(ValueError, match=r"^TiedLM has no submodule of the block classes \(\): pass the classes of "
+                                         r"its repeated blocks as block_types \(for a model without any, of its "
+                                         r"largest submodules\)$"):
         blocks_of(TiedLM(), ())
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"mode": "Full"}, "mode='Full': expected one of 'none', 'full', 'selective', 'op'"),
-    ({"mode": "selective", "every": 0}, "every=0: selective AC checkpoints every `every`-th block, so it must be 1 "
-                                        "or more"),
-], ids=["mode", "every"])
-def test_apply_ac_refuses_an_unknown_mode_and_a_selective_every_below_one(kwargs, message):
-    """A team calls apply_ac on its own model: a misspelt mode would leave it without AC, unsaid, and every=0 would
-    divide by zero."""
-    with pytest.raises(ValueError, match=f"^{message}$"):
-        apply_ac(build(ARGS, device="meta"), (TransformerBlock,), **kwargs)
+def test_block_types_are_a_tuple_of_classes_or_one_class():
+    model = build(ARGS, device="meta")
+    assert blocks_of(model, TransformerBlock) == blocks_of(model, (TransformerBlock,)) == list(model.layers)
+    for name in ("TransformerBlock", ("TransformerBlock",)):
+        with pytest.raises(TypeError, match="isinstance"):
+            blocks_of(model, name)
 
 
-def test_apply_fsdp_refuses_an_unknown_reshard_policy_before_sharding(monkeypatch):
+def test_a_misspelt_ac_mode_or_reshard_policy_fails_before_anything_is_wrapped_or_sharded(monkeypatch):
+    """A team calls apply_ac or apply_fsdp on its own model: a misspelt mode must not leave it without AC, unsaid."""
     from fsdp_trainer import parallelize
 
+    model = build(ARGS, device="meta")
+    with pytest.raises(KeyError, match="Full"):
+        apply_ac(model, (TransformerBlock,), "Full")
+    assert all("forward" not in vars(block) for block in model.layers)
     monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
-    with pytest.raises(ValueError, match="^reshard_after_forward='Never': expected one of 'default', 'always', "
-                                         "'never'$"):
-        apply_fsdp(build(ARGS, device="meta"), None, block_types=(TransformerBlock,), reshard_after_forward="Never")
-
-
-@pytest.mark.parametrize("block_types", ["TransformerBlock", TransformerBlock, ("TransformerBlock",)])
-def test_block_types_given_as_a_name_or_a_bare_class_are_refused_naming_the_form(block_types):
-    with pytest.raises(TypeError, match=r"block_types=.*expected a tuple of the classes of the model's repeated "
-                                        r"blocks, e.g. \(MyBlock,\)"):
-        blocks_of(build(ARGS, device="meta"), block_types)
+    with pytest.raises(KeyError, match="Never"):
+        apply_fsdp(model, None, block_types=(TransformerBlock,), reshard_after_forward="Never")
 
 
 # -- a team's own model: not a transformer, no init_param, built eagerly ------------------------------------
@@ -188,7 +182,6 @@ def gathered_after_forward(cases):
     """For each (reshard_after_forward, keep_gathered, embedding in a group of its own): which blocks, and whether
     the embedding, still hold gathered (plain tensor) parameters between forward and backward."""
     from fsdp_trainer import distributed
-    from fsdp_trainer.parallelize import init_weights
     distributed.init()
     mesh = distributed.build_mesh("cpu", 1, 2)
     results = []
@@ -381,7 +374,6 @@ def shard_tied_lm(world, groups):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from fsdp_trainer import distributed
-    from fsdp_trainer.parallelize import init_weights
     info = distributed.init()
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     with torch.device("meta"):
@@ -399,8 +391,6 @@ def shard_tied_lm(world, groups):
 def test_init_weights_fills_multihead_attention_and_parameters_their_block_resets():
     """Meta-device init gives eager construction's weights: MultiheadAttention through its _reset_parameters(),
     the gate through its block's reset_parameters(), which runs after the block's submodules' resets."""
-    from fsdp_trainer.parallelize import init_weights
-
     torch.manual_seed(0)
     reference = TiedLM().state_dict()
     with torch.device("meta"):
@@ -430,12 +420,12 @@ def test_a_teams_tied_transformer_shards_and_matches_plain_training(world):
 
 
 def second_backward_training_one_module(cases):
-    """For each (model, module) case: the model sharded in its groups with only that module trainable, so that the
-    modules sharded with it hold no gradient. After one backward the compute-pool reduce-scatter is installed
-    (before it, its first allocation would reach for CUDA, as it does wherever its guard lets a backward through),
-    and a second backward without zero_grad, which would add into that module's gradients, must be refused."""
+    """For each (model, module) case: the model sharded in its groups with the compute-pool reduce-scatter and only
+    that module trainable, so that the modules sharded with it hold no gradient. A second backward without
+    zero_grad, which would add into that module's gradients, must be refused. On CPU the reduce-scatter's streams
+    are None (torch.cuda.stream(None) does nothing)."""
     from fsdp_trainer import distributed
-    from fsdp_trainer.parallelize import _pool_gradients, init_weights
+    torch.cuda.current_stream = lambda device=None: None
     distributed.init()
     mesh = distributed.build_mesh("cpu", 1, 2)
     for case, trained in cases:
@@ -446,14 +436,14 @@ def second_backward_training_one_module(cases):
             with torch.device("meta"):
                 model = TiedLM()
             blocks, groups = (AttentionBlock,), [[model.embed, model.norm, model.head]]
-        apply_fsdp(model, mesh, block_types=blocks, groups=groups, param_dtype=torch.float32)
+        apply_fsdp(model, mesh, block_types=blocks, groups=groups, param_dtype=torch.float32,
+                   grads_in_compute_pool=True)
         init_weights(model, torch.device("cpu"))
         trainable = {id(param) for param in getattr(model, trained).parameters()}
         for param in model.parameters():
             param.requires_grad_(id(param) in trainable)
         tokens = torch.zeros(2, 8, dtype=torch.long)
         model(tokens).sum().backward()
-        _pool_gradients(model, None)
         with pytest.raises(RuntimeError, match="would add into gradients that already exist"):
             model(tokens).sum().backward()
 
@@ -466,10 +456,8 @@ def test_the_compute_pool_guard_covers_every_module_sharded_together():
 
 
 def test_init_param_leaves_each_buffer_to_its_modules_reset():
-    """init_param fills parameters only: a BatchNorm's running statistics, which _left_unset counts as filled by the
-    BatchNorm's reset_parameters(), are reset (materialized from meta, they held garbage)."""
-    from fsdp_trainer.parallelize import init_weights
-
+    """init_param fills parameters only: a BatchNorm's running statistics, which its reset_parameters() fills (so
+    check_initializable passes them), are reset (materialized from meta, they held garbage)."""
     class Normed(nn.Module):
         def __init__(self):
             super().__init__()
@@ -492,7 +480,6 @@ def tied_group_gathered_after_forward():
     """TiedLM sharded with its tied embedding and head in one group (with the final norm): whether each block, and
     the group, still hold gathered parameters between forward and backward."""
     from fsdp_trainer import distributed
-    from fsdp_trainer.parallelize import init_weights
     distributed.init()
     with torch.device("meta"):
         model = TiedLM()
@@ -571,7 +558,6 @@ def all_gathers_counted_through_the_installed_comm(symmetric: bool) -> int:
     import torch.distributed as dist
 
     from fsdp_trainer import distributed, parallelize
-    from fsdp_trainer.parallelize import init_weights
 
     calls = []
 
