@@ -89,6 +89,7 @@ def python_draw_at_build(cfg):
     return drawn[0]
 
 
+@pytest.mark.slow
 def test_python_s_rng_is_seeded_with_train_seed_as_torch_s_is(tmp_path):
     """Fresh processes draw what train.seed says, not what the operating system's entropy does: a team's model that
     draws from `random` trains the same run after run (and checkpoints carry its state on from there)."""
@@ -131,6 +132,7 @@ def reference(cfg, world_size: int, steps: int):
     return losses, model.state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,ac,accum", [(4, "op", 1), (2, "full", 2)])
 def test_a_teams_gpt2_trains_through_the_trainer_like_plain_training(tmp_path, world_size, ac, accum):
     cfg = tiny_config(ac={"mode": ac}, train={"output_dir": str(tmp_path), "steps": 3, "grad_accum_steps": accum,
@@ -144,6 +146,7 @@ def test_a_teams_gpt2_trains_through_the_trainer_like_plain_training(tmp_path, w
     assert result["state"]["lm_head.weight"].equal(result["state"]["wte.weight"])  # still tied
 
 
+@pytest.mark.slow
 def test_a_teams_model_resumes_on_another_world_size(tmp_path):
     """Saved at step 2 of 4 on 2 ranks, resumed on 1 at the same global batch: the uninterrupted run's losses."""
     first = tiny_config(train={"output_dir": str(tmp_path / "a"), "steps": 4}, checkpoint={"interval": 2})
@@ -196,6 +199,7 @@ def narrow_head_fn(cfg):
     return NarrowHead(), (GPT2Block,), []
 
 
+@pytest.mark.slow
 def test_the_trainer_checks_the_logits_of_a_teams_model(tmp_path):
     """The check above is the one build_model puts on a team's model (the stdlib data's byte ids, all below 300, would
     train unchecked)."""
@@ -221,12 +225,13 @@ def small_vocab_fn(cfg):
     return GPT2(vocab=300), (GPT2Block,), []
 
 
-def test_an_embedding_smaller_than_the_data_s_vocabulary_is_named_before_the_first_step(tmp_path):
-    """Ids up to model.vocab_size would index past it: an IndexError in the first step, a device-side assert on GPUs."""
-    cfg = tiny_config(train={"output_dir": str(tmp_path)})
-    with pytest.raises(AssertionError, match=r"ConfigError: GPT2's largest embedding has 300 rows, but the data may "
-                                             r"hold ids up to model.vocab_size=320: set --model.vocab_size 300"):
-        run_ranks(train_gpt2, 1, cfg, small_vocab_fn)
+def test_an_embedding_smaller_than_the_data_s_vocabulary_is_named_before_the_first_step():
+    """Ids up to model.vocab_size would index past it: an IndexError in the first step, a device-side assert on GPUs.
+    (test_main_names_... runs this and the next check through the trainer.)"""
+    cfg = tiny_config()
+    with pytest.raises(ConfigError, match=r"^GPT2's largest embedding has 300 rows, but the data may hold ids up to "
+                                          r"model.vocab_size=320: set --model.vocab_size 300"):
+        check_own_model(small_vocab_fn(cfg), cfg)
 
 
 def byte_vocab_fn(cfg):
@@ -234,13 +239,14 @@ def byte_vocab_fn(cfg):
     return GPT2(vocab=300, ctx=1024), (GPT2Block,), []
 
 
-def test_a_token_embedding_smaller_than_the_vocabulary_is_named_at_the_first_lookup(tmp_path):
+def test_a_token_embedding_smaller_than_the_vocabulary_is_named_at_the_first_lookup():
     """Its 1024 positions pass the check of the largest embedding against model.vocab_size=512; the lookup of the
     tokens in its 300 rows is refused before it indexes past them (an IndexError, a device-side assert on GPUs)."""
-    cfg = tiny_config(model={"vocab_size": 512}, train={"output_dir": str(tmp_path)})
-    with pytest.raises(AssertionError, match=r"ConfigError: GPT2's token embedding wte has 300 rows, but the data "
-                                             r"may hold ids up to model.vocab_size=512: set --model.vocab_size 300"):
-        run_ranks(train_gpt2, 1, cfg, byte_vocab_fn)
+    cfg = tiny_config(model={"vocab_size": 512})
+    model, _, _ = check_own_model(byte_vocab_fn(cfg), cfg)
+    with pytest.raises(ConfigError, match=r"^GPT2's token embedding wte has 300 rows, but the data may hold ids up "
+                                          r"to model.vocab_size=512: set --model.vocab_size 300"):
+        model(torch.zeros(2, 32, dtype=torch.long))
 
 
 def test_the_token_embedding_is_checked_at_the_first_forward_only():
@@ -272,6 +278,7 @@ def sharded_units_of_generators(cfg):
     return [isinstance(module, FSDPModule) for module in (model.wpe, model.ln_f)]
 
 
+@pytest.mark.slow
 def test_groups_given_as_generators_are_sharded_as_listed(tmp_path):
     assert run_ranks(sharded_units_of_generators, 1, tiny_config(train={"output_dir": str(tmp_path)})) == [[True, True]]
 
@@ -300,6 +307,7 @@ def returns_tuple_fn(cfg):
     ("split_tie_fn", "GPT2 as model_fn returned it: lm_head.weight (in the root (what no block or group "
                      "holds)) is the same parameter as wte.weight (in group [wte]), tied weights"),
 ])
+@pytest.mark.slow
 def test_main_names_what_is_wrong_with_a_teams_model_in_one_line(tmp_path, model_fn, message):
     """The trainer's command line, a single process: a model that does not fit the settings, or cannot be sharded
     as model_fn lists its units, is bad input (exit 2, one error line), not a crash with a traceback per rank."""
@@ -315,12 +323,12 @@ def test_main_names_what_is_wrong_with_a_teams_model_in_one_line(tmp_path, model
     assert f"error: {message}" in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
-def test_the_chunked_loss_refuses_a_forward_that_takes_only_tokens(tmp_path):
-    cfg = tiny_config(train={"output_dir": str(tmp_path), "loss_chunk_tokens": 16})
-    with pytest.raises(AssertionError, match=r"ConfigError: train.loss_chunk_tokens needs GPT2.forward\(tokens, "
-                                             r"labels, chunk_tokens\) returning the mean loss, but its forward takes "
-                                             r"\(tokens\): set --train.loss_chunk_tokens 0"):
-        run_ranks(train_gpt2, 1, cfg)
+def test_the_chunked_loss_refuses_a_forward_that_takes_only_tokens():
+    cfg = tiny_config(train={"loss_chunk_tokens": 16})
+    with pytest.raises(ConfigError, match=r"^train.loss_chunk_tokens needs GPT2.forward\(tokens, labels, "
+                                          r"chunk_tokens\) returning the mean loss, but its forward takes \(tokens\): "
+                                          "set --train.loss_chunk_tokens 0"):
+        check_own_model(gpt2_fn(cfg), cfg)
 
 
 def start_main_until_the_group(tmp_path, monkeypatch, *flags: str) -> None:

@@ -140,6 +140,7 @@ def shard_own_model(world):
     return (mean_loss / world).tolist(), state
 
 
+@pytest.mark.slow
 def test_a_teams_own_model_shards_and_matches_plain_training():
     results = run_ranks(shard_own_model, 2, 2)
     torch.manual_seed(0)
@@ -214,11 +215,13 @@ def gathered() -> list[dict]:
     return [dict(zip(cases, answers)) for answers in run_ranks(gathered_after_forward, 2, cases)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reshard,keep", GATHERED)
 def test_blocks_kept_gathered_after_forward(gathered, reshard, keep):
     assert [answers[reshard, keep, False][0] for answers in gathered] == [GATHERED[reshard, keep]] * 2
 
 
+@pytest.mark.slow
 def test_the_module_kept_gathered_is_the_last_to_run_not_the_last_group_listed(gathered):
     # The embedding is a group of its own, registered (and run) before the blocks: the last block stays gathered.
     assert [answers["default", 0, True] for answers in gathered] == [([3], False)] * 2
@@ -234,6 +237,7 @@ def test_gradients_in_the_compute_pool_are_refused_where_the_gradient_is_not_the
                    grads_in_compute_pool=True, **unsafe)
 
 
+@pytest.mark.slow
 def test_prefetch_two_asks_each_block_for_the_next_two_in_both_directions():
     one, two = run_ranks(record_prefetch, 1, [1, 2])[0]
     assert one == {}  # FSDP2's own schedule
@@ -401,6 +405,7 @@ def test_init_weights_fills_multihead_attention_and_parameters_their_block_reset
         assert torch.equal(value, reference[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_a_teams_tied_transformer_shards_and_matches_plain_training(world):
     """Initialized on meta without init_param, on any number of CPU ranks (3 cut every dimension of TiedLM
@@ -448,6 +453,7 @@ def second_backward_training_one_module(cases):
             model(tokens).sum().backward()
 
 
+@pytest.mark.slow
 def test_the_compute_pool_guard_covers_every_module_sharded_together():
     """The final norm and the output projection (and a tied embedding) are sharded in one fully_shard call, which
     has one reduce-scatter: its guard must see the gradients of each of them, whichever alone trains."""
@@ -490,6 +496,7 @@ def tied_group_gathered_after_forward():
     return [is_gathered(block) for block in model.blocks], is_gathered(model.head)
 
 
+@pytest.mark.slow
 def test_a_group_that_runs_last_stays_gathered_though_its_first_module_runs_first():
     """The group's head runs after the last block, so the group, not that block, is the unit kept gathered after
     forward, though its embedding is registered (and runs) before the blocks."""
@@ -584,6 +591,7 @@ def all_gathers_counted_through_the_installed_comm(symmetric: bool) -> int:
     return len(calls)
 
 
+@pytest.mark.slow
 def test_every_unit_all_gathers_through_the_symmetric_memory_all_gather_forward_and_backward():
     """Each block, the embedding and the output head all-gather through it in forward, and every unit resharded
     after forward (all but the output head) again in backward; without the flag, nothing does."""
