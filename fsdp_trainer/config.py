@@ -325,13 +325,6 @@ def resolve_param_dtype(name: str, device_type: str) -> str:
     return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
 
 
-def block_ac_modes(n_blocks: int, mode: str, every: int) -> list[str]:
-    """How each block runs under ac.mode, as `parallelize.apply_ac` wraps it: "checkpointed", "op" or "none"."""
-    if mode == "selective":
-        return ["checkpointed" if (i + 1) % every == 0 else "none" for i in range(n_blocks)]
-    return [{"none": "none", "op": "op", "full": "checkpointed"}[mode]] * n_blocks
-
-
 def grads_in_compute_pool(p: ParallelConfig, grad_accum_steps: int) -> bool:
     """Whether it applies: each sharded gradient must be the reduce-scatter's output, written once per zero_grad."""
     return (p.grads_in_compute_pool and p.dp_replicate == 1 and p.reduce_dtype == "float32" and not p.cpu_offload
@@ -347,7 +340,7 @@ _AT_LEAST = {"train.steps": 1, "train.seq_len": 1, "train.micro_batch_size": 1, 
 
 
 def validate(cfg: Config, world_size: int, device_type: str, own_model: bool = False) -> None:
-    """Check every setting against the job it will run in (own_model: a team's, checked by train.check_own_model)."""
+    """Check every setting against the job it will run in (own_model: a team's, checked by tools.model_checks)."""
     settings = {f"{section.name}.{f.name}": getattr(getattr(cfg, section.name), f.name)
                 for section in dataclasses.fields(cfg) if dataclasses.is_dataclass(section.default_factory)
                 for f in dataclasses.fields(section.default_factory)}

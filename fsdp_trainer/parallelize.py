@@ -1,20 +1,16 @@
 """Activation checkpointing, compilation and FSDP2 sharding for any model whose repeated blocks can be named.
 
-Applied in one visible order (as `fsdp_trainer.train.build_model` does for Llama):
-    apply_ac -> apply_compile -> apply_fsdp -> init_weights (materialize from meta, then initialize)
-
-AC and compile replace a block's `forward` on the instance instead of wrapping the module, so parameter
-names (and therefore checkpoints) are the same whatever the AC mode or compile setting.
-
-A team's own model:
+In one order, as `fsdp_trainer.train.build_model` applies it to Llama and to a team's own model:
 
     blocks = (MyBlock,)
     apply_ac(model, blocks, mode="op")
-    apply_fsdp(model, mesh, block_types=blocks)
-    init_weights(model, device, seed=0)
+    apply_compile(model, blocks)
+    apply_fsdp(model, mesh, block_types=blocks, groups=[[model.embed], [model.norm, model.head]])
+    init_weights(model, device, seed=0)  # a model built on meta: the same weights for any world size
 
-The blocks must be registered (`model.modules()` order) in the order forward runs them, as in nearly every model:
-keep_gathered and prefetch count blocks by it, and it tells which module runs last in forward.
+AC and compile replace a block's `forward` on the instance instead of wrapping the module, so parameter names (and
+so checkpoints) do not depend on them. The blocks must be registered in the order forward runs them, as in nearly
+every model: keep_gathered and prefetch count blocks by it, and it tells which unit runs last in forward.
 """
 
 from __future__ import annotations
@@ -22,57 +18,45 @@ from __future__ import annotations
 import contextlib
 import functools
 import zlib
-from typing import Iterable, Sequence, get_args
+from typing import Iterable, Sequence
 
 import torch
-from torch import nn
 import torch.distributed as dist
+from torch import nn
 # Alpha in torch 2.11, and what FSDP2's own set_symm_mem_for_comm (torch 2.13) uses.
 from torch.distributed import _symmetric_memory as symm_mem
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-# The interface FSDPModule.set_custom_reduce_scatter takes; torch.distributed.fsdp does not re-export it.
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+# The interfaces FSDPModule.set_custom_all_gather/_reduce_scatter take; torch.distributed.fsdp does not export them.
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from fsdp_trainer.config import ACMode, ReshardPolicy, block_ac_modes
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def blocks_of(model: nn.Module, block_types: Sequence[type]) -> list[nn.Module]:
-    if isinstance(block_types, type) or not all(isinstance(t, type) for t in block_types):
-        raise TypeError(f"block_types={block_types!r}: expected a tuple of the classes of the model's repeated "
-                        "blocks, e.g. (MyBlock,), not a class alone or a name")
-    if not block_types:
-        raise ValueError(f"block_types is empty, but {type(model).__name__} is sharded block by block: pass the class "
-                         "of its repeated blocks, or, for a model without any, the class of its largest submodules "
-                         "(each becomes a unit of its own; not a container without a forward such as nn.ModuleList)")
-    blocks = [m for m in model.modules() if isinstance(m, tuple(block_types))]
+def blocks_of(model: nn.Module, block_types: Sequence[type] | type) -> list[nn.Module]:
+    """The model's submodules of the block classes, in registration order."""
+    types = block_types if isinstance(block_types, type) else tuple(block_types)
+    blocks = [m for m in model.modules() if isinstance(m, types)]
     if not blocks:
-        names = ", ".join(t.__name__ for t in block_types)
-        raise ValueError(f"{type(model).__name__} has no submodule of type {names}; pass the class of its "
-                         "repeated blocks as block_types")
+        names = ", ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise ValueError(f"{type(model).__name__} has no submodule of the block classes ({names}): pass the classes "
+                         "of its repeated blocks as block_types (for a model without any, of its largest submodules)")
     return blocks
 
 
-def _check_choice(name: str, value, choices) -> None:
-    """Refuse `value` unless it is one of the Literal type `choices`' values. Misspelt ("Full"), a mode would
-    otherwise leave every block without AC, unsaid, and a reshard policy fail later with a bare KeyError."""
-    allowed = get_args(choices)
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r}: expected one of {', '.join(map(repr, allowed))}")
+def block_ac_modes(n_blocks: int, mode: str, every: int) -> list[str]:
+    """How each block runs under AC `mode` (none, full, selective, op): "checkpointed" whole, per "op", or "none".
+    Selective checkpoints blocks every, 2*every, ... (1-based). What apply_ac wraps and the planner prices."""
+    if mode == "selective":
+        return ["checkpointed" if (i + 1) % every == 0 else "none" for i in range(n_blocks)]
+    return [{"none": "none", "op": "op", "full": "checkpointed"}[mode]] * n_blocks
 
 
-def _replace_forward(module: nn.Module, wrap) -> None:
-    inner = module.forward
-    module.forward = functools.wraps(inner)(functools.partial(wrap, inner))
-
-
-# Outputs worth keeping under per-op AC: the matmuls and attention are the expensive ops to recompute;
-# everything else (norms, activations, RoPE, residual adds) is cheap elementwise work. Linear layers with a bias
-# run addmm, batched and hand-written attention bmm/baddbmm.
+# Outputs worth keeping under per-op AC: the matmuls and attention are the expensive ops to recompute; the rest
+# (norms, activations, RoPE, residual adds) is cheap elementwise work. Linear layers with a bias run addmm,
+# batched and hand-written attention bmm/baddbmm.
 _OP_AC_SAVE = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -90,49 +74,33 @@ def _op_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _OP_AC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_ac(model: nn.Module, block_types: Sequence[type], mode: ACMode, every: int = 2) -> None:
-    """Activation checkpointing per block: full, every `every`-th block (selective), or per-op (op)."""
-    _check_choice("mode", mode, ACMode)
-    if mode == "selective" and every < 1:
-        raise ValueError(f"every={every!r}: selective AC checkpoints every `every`-th block, so it must be 1 or more")
-    if mode == "none":
-        return
+def apply_ac(model: nn.Module, block_types: Sequence[type], mode: str, every: int = 2) -> None:
+    """Activation checkpointing per block: none, full, selective (every `every`-th block) or op (per-op)."""
     whole = functools.partial(checkpoint, use_reentrant=False)
     per_op = functools.partial(whole, context_fn=functools.partial(create_selective_checkpoint_contexts, _op_policy))
     blocks = blocks_of(model, block_types)
     for block, how in zip(blocks, block_ac_modes(len(blocks), mode, every)):
         if how != "none":
-            _replace_forward(block, whole if how == "checkpointed" else per_op)
+            inner = block.forward
+            block.forward = functools.wraps(inner)(functools.partial(whole if how == "checkpointed" else per_op, inner))
 
 
 def apply_compile(model: nn.Module, block_types: Sequence[type]) -> None:
-    """Compile each block's forward (the blocks repeat, so one compilation serves them all).
-
-    The forward is compiled rather than the module so that FSDP's hooks, registered on the module
-    afterwards, stay outside the graph."""
+    """Compile each block's forward (the blocks repeat, so one compilation serves them all). The forward, not the
+    module: FSDP's hooks, registered on the module afterwards, stay outside the graph."""
     for block in blocks_of(model, block_types):
         block.forward = torch.compile(block.forward, fullgraph=True)
 
 
 class ComputePoolReduceScatter(ReduceScatter):
     """FSDP2's reduce-scatter with its output, which becomes the sharded gradients, allocated from the compute
-    stream's memory pool instead of the reduce-scatter stream's.
+    stream's memory pool. The caching allocator lends a stream's freed memory to that stream only: left on the
+    reduce-scatter stream, the gradients zero_grad frees stay out of reach of the next forward's activations.
 
-    The caching allocator lends a stream's freed memory to that stream only. Left on the reduce-scatter stream, the
-    gradients that zero_grad frees stay reserved for the next step's gradients, out of reach of the next forward's
-    activations, which peak while no gradient exists: 4 bytes per local parameter reserved beyond the peak.
-
-    No `record_stream` is needed where every free of the output is ordered on the compute stream behind the
-    reduce-scatter: FSDP2 makes the compute stream wait for the reduce-scatter stream before the optimizer, and
-    zero_grad frees the gradients after it. That holds only when the output itself becomes the gradient: a 1-D mesh
-    (HSDP all-reduces it on another stream), float32 reduction into the float32 shards (no cast to a new tensor),
-    no CPU offload (no copy to host), and no accumulation into an existing sharded gradient, which adds the output
-    on the reduce-scatter stream and drops it at once (`grads_in_compute_pool` in `fsdp_trainer.config` checks
-    all four; `apply_fsdp` refuses the first three, and `allocate` the last, as it happens). `record_stream` would
-    be safe everywhere, but it defers each freed block until the GPU has passed the reduce-scatter stream's work,
-    and the CPU runs a step ahead: measured on 4 H200s, it reserved no less.
-
-    One instance per fully_shard call: `params` are the parameters whose gradients its reduce-scatter makes."""
+    No `record_stream` is needed while every free of the output is ordered on the compute stream behind the
+    reduce-scatter, which holds only when the output itself becomes the gradient: a 1-D mesh, float32 reduction, no
+    CPU offload (apply_fsdp refuses the others) and no accumulation into an existing gradient (refused here).
+    `params`: the parameters whose gradients this fully_shard call's reduce-scatter makes."""
 
     def __init__(self, compute_stream: torch.cuda.Stream, params: Sequence[nn.Parameter]):
         self.compute_stream, self.params = compute_stream, params
@@ -140,17 +108,13 @@ class ComputePoolReduceScatter(ReduceScatter):
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if any(p.grad is not None for p in self.params):
             raise RuntimeError("grads_in_compute_pool: this reduce-scatter would add into gradients that already "
-                               "exist (a backward per micro-batch with gradient sync on, or zero_grad(set_to_none="
-                               "False)), which is unsafe with the gradients in the compute stream's memory; turn "
-                               "gradient sync off for all but the last micro-batch (set_requires_gradient_sync, "
-                               "parallel.defer_grad_sync), zero_grad(set_to_none=True), or grads_in_compute_pool "
-                               "off")
+                               "exist, unsafe with the gradients in the compute stream's memory; sync gradients on "
+                               "the last micro-batch only (parallel.defer_grad_sync), zero_grad(set_to_none=True), "
+                               "or turn grads_in_compute_pool off")
         stream = torch.cuda.current_stream(device)
         with torch.cuda.stream(self.compute_stream):
             buffer = torch.empty(*size, dtype=dtype, device=device)
-        # The block may have been freed by compute-stream work still queued: the stream that writes it waits for
-        # that work first. FSDP2 makes the same wait before its reduce-scatter; here it does not depend on where.
-        if stream != self.compute_stream:
+        if stream != self.compute_stream:  # the block may have been freed by compute-stream work still queued
             stream.wait_stream(self.compute_stream)
         return buffer
 
@@ -159,9 +123,8 @@ class ComputePoolReduceScatter(ReduceScatter):
 
 
 class SymmetricMemoryAllGather(AllGather):
-    """FSDP2's all-gather with its output in NCCL symmetric memory, registered with the group's communicator, so
-    that NCCL may use its symmetric-memory all-gather: on one host with the zero-CTA policy (NCCL_CTA_POLICY=2), a
-    copy-engine transfer that leaves every SM to the compute. The pool hands the same blocks back step after step."""
+    """FSDP2's all-gather into NCCL symmetric memory, registered with the group's communicator: on one host with
+    NCCL_CTA_POLICY=2, NCCL copies it with the copy engines, leaving every SM to the compute."""
 
     def __init__(self, group: dist.ProcessGroup):
         symm_mem.set_backend("NCCL")
@@ -179,8 +142,8 @@ class SymmetricMemoryAllGather(AllGather):
 
 @contextlib.contextmanager
 def _symmetric_memory_errors():
-    """NCCL refusing symmetric memory (a container without cuMem, say) is told with the way around it. Running out
-    of memory and a peer's failure pass unchanged: the trainer reports those itself (the OOM report, the watchdog)."""
+    """NCCL refusing symmetric memory (no cuMem in a container, say) names the way around it; running out of memory
+    and a peer's failure pass as they came, for the OOM report and the watchdog."""
     try:
         yield
     except (torch.OutOfMemoryError, dist.DistError):
@@ -193,215 +156,72 @@ def _symmetric_memory_errors():
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, block_types: Sequence[type],
                groups: Iterable[Sequence[nn.Module]] = (),
                param_dtype: torch.dtype = torch.bfloat16, reduce_dtype: torch.dtype = torch.float32,
-               reshard_after_forward: ReshardPolicy = "default", keep_gathered: int = 0, prefetch: int = 1,
+               reshard_after_forward: str = "default", keep_gathered: int = 0, prefetch: int = 1,
                cpu_offload: bool = False, grads_in_compute_pool: bool = False,
                symmetric_memory_all_gather: bool = False) -> None:
-    """`fully_shard` each block, then each extra group of modules, then the root.
+    """`fully_shard` each block, then each group of modules, then the root (what no block or group holds).
 
-    `groups` are modules outside the blocks that deserve their own all-gather (for Llama: the embedding;
-    the final norm with the output projection). A 1-D mesh shards; a 2-D
-    (replicate, shard) mesh gives HSDP. Sharded parameters stay float32 (the optimizer's master weights; a
-    model built in 16 bits is refused); `param_dtype` is only the dtype they are gathered in. `keep_gathered`
-    blocks, counted back from the last, also stay gathered after forward under the default policy. `prefetch` > 1
-    makes each block all-gather that many blocks ahead of itself, in forward and in backward (1 leaves FSDP2's
-    schedule of one ahead).
-    `grads_in_compute_pool` lets the sharded gradients and the activations share memory (CUDA). It is refused
-    where it would be unsafe (`ComputePoolReduceScatter`): here for a 2-D mesh, CPU offload or a reduction that is
-    not float32; during backward if a reduce-scatter would add into existing gradients.
-    `symmetric_memory_all_gather` all-gathers into NCCL symmetric memory (`SymmetricMemoryAllGather`; CUDA and
-    NCCL only)."""
-    _check_choice("reshard_after_forward", reshard_after_forward, ReshardPolicy)
+    `groups`: modules outside the blocks that share an all-gather of their own (Llama's embedding; its final norm
+    with the output projection); tied weights must stay in one. A 2-D (replicate, shard) mesh gives HSDP. The
+    shards stay in the model's float32 (the optimizer's master weights), gathered in `param_dtype` and reduced in
+    `reduce_dtype`. reshard_after_forward: default, always or never; under default, the `keep_gathered` last
+    blocks stay gathered after forward too. `prefetch` > 1: each block all-gathers that many blocks ahead.
+    CUDA only: `grads_in_compute_pool` (ComputePoolReduceScatter) and `symmetric_memory_all_gather`
+    (SymmetricMemoryAllGather, NCCL)."""
     if grads_in_compute_pool and (mesh.ndim != 1 or cpu_offload or reduce_dtype != torch.float32):
         raise ValueError("grads_in_compute_pool needs a 1-D mesh, float32 reduction and no CPU offload: the sharded "
                          "gradients must be the reduce-scatter's output itself")
-    blocks, groups = check_units(model, block_types, groups)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    shard = functools.partial(fully_shard, mesh=mesh, mp_policy=mp, offload_policy=offload)
-    # The unit that runs last in forward runs first in backward: freeing its parameters only to all-gather them
-    # again at once would cost a collective and save no memory at the peak. By registration order: the last
-    # block, or a group with a module registered after it (Llama's final norm and output projection; a tied
-    # embedding and head, whose group also runs first).
+    blocks, groups = blocks_of(model, block_types), [list(group) for group in groups]
+    # The unit that runs last in forward runs first in backward: resharding it only to all-gather it again at once
+    # would cost a collective and save no memory at the peak. By registration order: the last block, or a group
+    # with a module registered after it (Llama's final norm and output projection, even tied to the embedding).
     position = {id(module): index for index, module in enumerate(model.modules())}
-    last = max([[blocks[-1]], *groups], key=lambda unit: max(position[id(module)] for module in unit))[0]
+    last = max([[blocks[-1]], *groups], key=lambda unit: max(position[id(module)] for module in unit))
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    all_gather = None  # with no one to gather from, FSDP2 gathers nothing
+    if symmetric_memory_all_gather and mesh.size(-1) > 1:
+        all_gather = SymmetricMemoryAllGather(mesh.get_group(mesh.ndim - 1))
+    claimed: set[int] = set()
 
-    def reshard(keep: bool) -> bool:
-        return {"always": True, "never": False, "default": not keep}[reshard_after_forward]
+    def shard(modules: list[nn.Module], keep: bool | None) -> None:
+        """`keep`: stay gathered after forward under the default policy (None: FSDP2's choice, for the root)."""
+        policy = {} if keep is None else \
+            {"reshard_after_forward": {"always": True, "never": False, "default": not keep}[reshard_after_forward]}
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=mp_policy,
+                    offload_policy=offload_policy, **policy)
+        # One FSDP state, and so one all-gather and one reduce-scatter, per call: installed on any of its modules.
+        params = {id(p): p for module in modules for p in module.parameters() if id(p) not in claimed}
+        claimed.update(params)
+        if all_gather:
+            modules[0].set_custom_all_gather(all_gather)
+        if grads_in_compute_pool:
+            modules[0].set_custom_reduce_scatter(ComputePoolReduceScatter(torch.cuda.current_stream(),
+                                                                          list(params.values())))
 
     for index, block in enumerate(blocks):
-        shard(block, reshard_after_forward=reshard(block is last or index >= len(blocks) - keep_gathered))
+        shard([block], keep=block is last[0] or index >= len(blocks) - keep_gathered)
     for group in groups:
-        shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard(group[0] is last))
-    shard(model)
-    if symmetric_memory_all_gather and mesh.size(-1) > 1:  # with no one to gather from, FSDP2 gathers nothing
-        all_gather = SymmetricMemoryAllGather(mesh.get_group(mesh.ndim - 1))
-        for module, _ in _units(model).values():
-            module.set_custom_all_gather(all_gather)
-    if grads_in_compute_pool and mesh.device_type == "cuda":  # one memory pool per device elsewhere
-        _pool_gradients(model, torch.cuda.current_stream())
+        shard(group, keep=group is last)
+    shard([model], keep=None)  # FSDP2 keeps the root gathered after forward: backward starts with it
     if prefetch > 1:
         for index, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[index + 1:index + 1 + prefetch])
             block.set_modules_to_backward_prefetch(blocks[max(0, index - prefetch):index][::-1])
 
 
-def check_units(model: nn.Module, block_types: Sequence[type], groups: Iterable[Iterable[nn.Module]] = ()
-                ) -> tuple[list[nn.Module], list[list[nn.Module]]]:
-    """The model's blocks and `groups` as apply_fsdp shards them, once checked for what fully_shard would refuse
-    late or obscurely, or do wrong unsaid: trainable parameters in 16 bits, the model itself or a container without
-    a forward as a block, groups not given as lists of modules, a group module outside the model or the model
-    itself, an empty group, a module in two units, a parameter tied across units. Raises TypeError or ValueError
-    naming it."""
-    # fully_shard keeps each parameter's dtype for its shard, the optimizer's master weight: from a model built in
-    # 16 bits, the weights, AdamW's moments and the float32-reduced gradients would all be silently rounded to it.
-    # Frozen parameters have no master weights: a 16-bit frozen base is the model's own choice.
-    low = [name for name, param in model.named_parameters()
-           if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16)]
-    if low:
-        raise ValueError(f"apply_fsdp: trainable parameters in 16 bits ({', '.join(low[:4])}"
-                         f"{' ...' if len(low) > 4 else ''}), but the sharded parameters are the optimizer's master "
-                         "weights; build the model in float32 (param_dtype is the dtype forward and backward compute "
-                         "in)")
-    blocks = blocks_of(model, block_types)
-    if any(block is model for block in blocks):
-        raise ValueError(f"block_types includes {type(model).__name__}, the model's own class, but the model is the "
-                         "root unit, sharded last with whatever no block holds: pass the class of its repeated blocks")
-    for block in blocks:
-        if type(block).forward is nn.Module.forward:  # fully_shard refuses these, but only once it has begun
-            inner = ", ".join(sorted({type(child).__name__ for child in block.children()})) or "none"
-            raise ValueError(f"block_types includes {type(block).__name__}, a container without a forward of its "
-                             "own, which fully_shard cannot shard as a unit: pass the class of the blocks it holds "
-                             f"({inner})")
-    groups = _listed_groups(groups)
-    if not all(groups):
-        raise ValueError("a group in `groups` is empty: each group lists the modules that share one all-gather")
-    present = {id(module) for module in model.modules()}
-    if any(id(module) not in present for group in groups for module in group):
-        raise ValueError("every module in `groups` must be a submodule of the model being sharded")
-    if any(module is model for group in groups for module in group):
-        raise ValueError("the model itself cannot be in `groups`: it is the root unit, sharded last with whatever "
-                         "no block or group holds")
-    # Units must not overlap, nor nest (fully_shard would fail with a bare assertion or an invariant error): every
-    # module under a unit's modules, counted once per unit module that holds it.
-    names = {id(module): name for name, module in model.named_modules()}
-    unit_modules = [*blocks, *(module for group in groups for module in group)]
-    holder: dict[int, int] = {}  # id(module) -> the index in unit_modules of the first that held it
-    for index, module in enumerate(unit_modules):
-        for sub in module.modules():
-            first = holder.setdefault(id(sub), index)
-            if first == index:
-                continue
-            outer = unit_modules[first]
-            if first < len(blocks) and index < len(blocks):  # blocks come outer first, as modules() lists them
-                raise ValueError(f"{names[id(sub)]} is in two FSDP units: the block class {type(module).__name__} "
-                                 f"matches modules inside another block ({names[id(outer)]}, of class "
-                                 f"{type(outer).__name__}): give block_types the class of the outermost repeated "
-                                 "blocks only")
-            raise ValueError(f"{names[id(sub)]} is in two FSDP units (listed twice, a block also in a group, or "
-                             "a group inside or around another unit): give each module to one unit only")
-    _check_ties(model, blocks, groups)
-    return blocks, groups
-
-
-def _listed_groups(groups) -> list[list[nn.Module]]:
-    """`groups` read once into lists (they may be generators), refusing any other form: list() would iterate a
-    module given where its group belongs, or fail on it with a bare TypeError."""
-    form = "groups is a list of lists of modules, e.g. [[model.embed], [model.norm, model.head]], or [] for none"
-    if isinstance(groups, nn.Module):
-        raise TypeError(f"groups is of type {type(groups).__name__}: {form}")
-    listed = []
-    for group in groups:
-        # A ModuleList has no forward of its own to mistake for the unit: it is a list of modules. Any other module
-        # given as a group (a Sequential, a block) would be listed child by child, unsaid.
-        if (isinstance(group, nn.Module) and not isinstance(group, nn.ModuleList)) or not isinstance(group, Iterable):
-            raise TypeError(f"groups holds an item of type {type(group).__name__} where a list of modules belongs: "
-                            f"{form}")
-        group = list(group)
-        strays = [type(item).__name__ for item in group if not isinstance(item, nn.Module)]
-        if strays:
-            raise TypeError(f"a group holds an item of type {strays[0]}, not a module: {form}")
-        listed.append(group)
-    return listed
-
-
-def _check_ties(model: nn.Module, blocks: list[nn.Module], groups: list[list[nn.Module]]) -> None:
-    """Refuse a parameter shared by two sharding units (a block, a group, or the root with what no block or group
-    holds): each unit shards its own copy, which unties it, and FSDP2 refuses only at the first forward."""
-    names = {id(module): name for name, module in model.named_modules()}
-    unit_of = {id(block): f"block {names[id(block)]}" for block in blocks}
-    block_units = set(unit_of.values())
-    for group in groups:
-        unit_of.update({id(module): "group [" + ", ".join(names[id(m)] for m in group) + "]" for module in group})
-    owner: dict[int, tuple[str, str]] = {}  # id(parameter) -> (its first name, its unit)
-
-    def visit(module: nn.Module, prefix: str, unit: str) -> None:
-        unit = unit_of.get(id(module), unit)  # a module belongs to the innermost unit around it
-        for name, param in module.named_parameters(prefix=prefix, recurse=False):
-            first, first_unit = owner.setdefault(id(param), (name, unit))
-            if first_unit != unit:
-                modules = " and ".join(n.rpartition(".")[0] or "the model itself" for n in (first, name))
-                tied = (f"apply_fsdp: {name} (in {unit}) is the same parameter as {first} (in {first_unit}), tied "
-                        "weights, which must live in one FSDP unit")
-                # A module inside a block cannot join a group (nor the root): the block is its unit.
-                if {unit, first_unit} & block_units:
-                    raise ValueError(f"{tied}, and a block's unit is the block: hold the shared weight in one module "
-                                     "registered once on the model, outside the blocks (the root or a group of its "
-                                     "own then holds it), or pass block classes whose modules contain all its users "
-                                     f"({modules})")
-                raise ValueError(f"{tied}: put the modules that share it ({modules}) in one group, or leave them "
-                                 "all out of `groups` so that the root holds them")
-        for name, child in module.named_children():
-            visit(child, f"{prefix}.{name}" if prefix else name, unit)
-
-    visit(model, "", "the root (what no block or group holds)")
-
-
-def _pool_gradients(model: nn.Module, compute_stream: torch.cuda.Stream) -> None:
-    """Install a ComputePoolReduceScatter for each fully_shard call, over all the parameters that call manages.
-
-    The modules sharded in one call (Llama's final norm and output projection; a tied embedding and head) share
-    one FSDP state, and so one reduce-scatter, which set_custom_reduce_scatter on any of them replaces: one
-    installed per module would leave the last one's, whose guard is blind to the other modules' gradients."""
-    for module, params in _units(model).values():
-        module.set_custom_reduce_scatter(ComputePoolReduceScatter(compute_stream, params))
-
-
-def _units(model: nn.Module) -> dict[object, tuple[FSDPModule, list[nn.Parameter]]]:
-    """Each fully_shard call's FSDP state (FSDPModule has no public name for the one its modules share) -> one of
-    its modules and the parameters it manages."""
-    owned: dict[object, tuple[FSDPModule, list[nn.Parameter]]] = {}
-    claimed: set[int] = set()
-    # Innermost first: model.modules() lists a module before its children, so reversed lists children first.
-    for module in reversed(list(model.modules())):
-        if isinstance(module, FSDPModule):
-            _, params = owned.setdefault(module._get_fsdp_state(), (module, []))
-            params += [p for p in module.parameters() if id(p) not in claimed]
-            claimed.update(id(p) for p in params)
-    return owned
-
-
 @torch.no_grad()
 def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload: bool = False) -> None:
     """Materialize a model built on the meta device and initialize it, identically for any sharding.
 
-    What the model may define, all optional (ours defines all three):
-    - `init_param(name, full_tensor, generator)`: fills each parameter as a full tensor from a generator seeded
-      by (seed, name); each rank keeps its shard, so the weights do not depend on the world size or mesh.
-      Without it, every submodule's `reset_parameters()` runs (or, for torch.nn's own modules such as
-      MultiheadAttention, the `_reset_parameters()` their constructors call), each module's after its children's
-      as in eager construction, so that a block's own reset_parameters() has the last word over its submodules'.
-      On a CUDA mesh they run on the shards, and DTensor's offset-based RNG draws each shard as its part of one
-      full tensor. On any other mesh, whose DTensors draw every shard from the same stream, they run on full
-      replicas of the parameters, of which each rank keeps its shard: the weights of eager construction under
-      the same seed, for any world size.
-    - `init_buffers()`: recomputes the buffers (a RoPE table, say), which materializing leaves unset. Without it,
-      each buffer is left to its own module's reset, with or without init_param.
+    What the model may define, all optional:
+    - `init_param(name, full_tensor, generator)`: fills each parameter as a full tensor from a generator seeded by
+      (seed, name); each rank keeps its shard. Without it, every submodule's reset (`reset_of`) runs, children
+      before parents as in eager construction: on a CUDA mesh on the shards (DTensor's RNG draws each as its part
+      of one full tensor), elsewhere on full replicas of which each rank keeps its shard.
+    - `init_buffers()`: recomputes the buffers (a RoPE table, say); without it each module's reset fills its own.
     - `tie_weights()`: ties shared parameters again after materializing.
-    A parameter or buffer that none of these would fill is an error, raised before anything is allocated: a
-    parameter counts as filled where its module or any module around it resets, a buffer only where its own
-    module does (a block's reset_parameters() seldom recomputes a RoPE table below it). With
-    `offload` (FSDP's CPU offload) parameters are materialized in host memory and buffers on `device`."""
-    check_initializable(model)
+    `offload` (FSDP's CPU offload): parameters in host memory, buffers on `device`."""
     torch.manual_seed(seed)
     model.to_empty(device="cpu" if offload else device)
     if offload:
@@ -415,18 +235,16 @@ def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload:
     if not hasattr(model, "init_param"):
         sharded = [param for param in model.parameters() if isinstance(param, DTensor)]
         # On CUDA the resets stay on the shards: full replicas of a model sharded to fit would not fit one GPU.
-        if sharded and sharded[0].device_mesh.device_type != "cuda":
-            with _full_replicas(model):
-                _reset_all(model)
-        else:
-            _reset_all(model)
+        replicas = _full_replicas(model) if sharded and sharded[0].device_mesh.device_type != "cuda" else \
+            contextlib.nullcontext()
+        with replicas:
+            for module in _children_first(model):
+                if reset := reset_of(module):
+                    reset()
         return
-    if not hasattr(model, "init_buffers"):
-        # init_param fills parameters only: each buffer is its own module's reset to fill (a BatchNorm's running
-        # statistics), as _left_unset counted on. The parameters these resets fill too are filled again below.
+    if not hasattr(model, "init_buffers"):  # each buffer is its module's reset to fill (a BatchNorm's statistics)
         for module in _children_first(model):
-            reset = _reset_of(module)
-            if reset and next(module.buffers(recurse=False), None) is not None:
+            if (reset := reset_of(module)) and next(module.buffers(recurse=False), None) is not None:
                 reset()
     for name, param in model.named_parameters():
         full = torch.empty(param.shape, dtype=param.dtype, device=device)
@@ -434,39 +252,24 @@ def init_weights(model: nn.Module, device: torch.device, seed: int = 0, offload:
         _keep_shard(param, full)
 
 
-def check_initializable(model: nn.Module) -> None:
-    """Refuse a meta-device model with parameters or buffers that init_weights would leave unset (_left_unset)."""
-    unset = _left_unset(model)
-    if unset:
-        raise ValueError(f"init_weights cannot initialize {', '.join(unset[:4])}" + (" ..." if len(unset) > 4 else "")
-                         + ": materialized from meta they would hold garbage, and no reset_parameters() of their "
-                         "module (or, for parameters, of a module around it) fills them; give the model "
-                         "init_param(name, full_tensor, generator) for parameters and init_buffers() for buffers, "
-                         "or reset_parameters() to their modules")
+def param_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    """A generator for one parameter: a pure function of (seed, name), never of rank or world size."""
+    return torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
 def _keep_shard(param: nn.Parameter, full: torch.Tensor) -> None:
     """Copy this rank's part of `full`, the same full tensor on every rank, into `param`."""
-    if isinstance(param, DTensor):
-        # Every rank holds the same full tensor, so each can cut its own shard without communication.
-        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        param.to_local().copy_(local)
+    if isinstance(param, DTensor):  # every rank cuts its own shard, without communication
+        param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements,
+                                                 src_data_rank=None).to_local())
     else:
         param.copy_(full)
-
-
-def _reset_all(model: nn.Module) -> None:
-    for module in _children_first(model):
-        reset = _reset_of(module)
-        if reset:
-            reset()
 
 
 @contextlib.contextmanager
 def _full_replicas(model: nn.Module):
     """Within: each DTensor parameter replaced, in every module that holds it, by one full tensor of its shape (one
-    per parameter, so that a tie holds). On leaving, each rank keeps its shard of what the full tensor then holds,
-    and the DTensors are put back."""
+    per parameter, so that a tie holds). On leaving, each rank keeps its shard of it, and the DTensors return."""
     fulls: dict[int, tuple[DTensor, nn.Parameter]] = {}  # id(DTensor parameter) -> (it, its full replica)
     slots: list[tuple[nn.Module, str, DTensor]] = []
     for module in model.modules():
@@ -486,56 +289,22 @@ def _full_replicas(model: nn.Module):
         _keep_shard(param, replica)
 
 
-def _reset_of(module: nn.Module):
+def reset_of(module: nn.Module):
     """The method that initializes `module`: its reset_parameters(), or the private _reset_parameters() that
-    torch.nn's own modules (MultiheadAttention, Transformer) have instead, which their constructors call."""
+    torch.nn's own modules (MultiheadAttention, Transformer) call from their constructors instead; else None."""
     if hasattr(module, "reset_parameters"):
         return module.reset_parameters
     private = getattr(type(module), "_reset_parameters", None)
     # Where the method is defined, not the module's class, which fully_shard replaces with a subclass of its own.
-    if private is not None and private.__module__.startswith("torch.nn."):
-        return module._reset_parameters
-    return None
+    return module._reset_parameters if private and private.__module__.startswith("torch.nn.") else None
 
 
-def _children_first(model: nn.Module) -> list[nn.Module]:
+def _children_first(model: nn.Module, seen: set[int] | None = None) -> Iterable[nn.Module]:
     """Every module once, each after its children, siblings in registration order: the order in which eager
     construction resets them, and so the same random draws."""
-    order: list[nn.Module] = []
-    seen: set[int] = set()
-
-    def visit(module: nn.Module) -> None:
-        seen.add(id(module))
-        for child in module.children():
-            if id(child) not in seen:
-                visit(child)
-        order.append(module)
-
-    visit(model)
-    return order
-
-
-def _left_unset(model: nn.Module) -> list[str]:
-    """Parameters and buffers that init_weights would leave as materialized: uninitialized memory."""
-    unset: list[str] = []
-    seen: set[int] = set()
-
-    def visit(module: nn.Module, prefix: str, reset_around: bool) -> None:
-        seen.add(id(module))
-        resets = _reset_of(module) is not None
-        params = [] if hasattr(model, "init_param") or resets or reset_around else \
-            [n for n, _ in module.named_parameters(prefix, recurse=False)]
-        buffers = [] if hasattr(model, "init_buffers") or resets else \
-            [n for n, _ in module.named_buffers(prefix, recurse=False)]
-        unset.extend(params + buffers)
-        for name, child in module.named_children():
-            if id(child) not in seen:
-                visit(child, f"{prefix}.{name}" if prefix else name, reset_around or resets)
-
-    visit(model, "", False)
-    return unset
-
-
-def param_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
-    """A generator for one parameter: a pure function of (seed, name), never of rank or world size."""
-    return torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    seen = set() if seen is None else seen
+    seen.add(id(model))
+    for child in model.children():
+        if id(child) not in seen:
+            yield from _children_first(child, seen)
+    yield model

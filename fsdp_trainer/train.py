@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import inspect
 import json
 import math
 import os
@@ -37,8 +36,8 @@ from torch.utils.data import Dataset
 
 from fsdp_trainer import distributed
 from fsdp_trainer.checkpoint import CheckpointError, Checkpointer, StopSignals, model_class
-from fsdp_trainer.config import (Config, ConfigError, check_block_counts, check_output_dirs, grads_in_compute_pool,
-                                 mesh_shape, parse_args, resolve_param_dtype, to_toml, validate)
+from fsdp_trainer.config import (Config, ConfigError, check_output_dirs, grads_in_compute_pool, mesh_shape, parse_args,
+                                 resolve_param_dtype, to_toml, validate)
 from fsdp_trainer.data import (DataError, build_dataloader, build_dataset, check_enough_samples, samples_per_step,
                                stop_workers)
 from fsdp_trainer.distributed import logger
@@ -47,10 +46,10 @@ from fsdp_trainer.metrics import GiB, Metrics, PhaseTimer, environment, write_ru
 from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
 from fsdp_trainer.optim import (NonFiniteError, NonFiniteGuard, build_optimizer, build_scheduler, clip_grad_norm,
                                 follow_current_schedule)
-from fsdp_trainer.parallelize import (DTYPES, apply_ac, apply_compile, apply_fsdp, check_initializable, check_units,
-                                     init_weights)
+from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile, apply_fsdp, init_weights
 # The tools this entry point wires in; no other core module imports them.
 from fsdp_trainer.tools.faults import RESTORING, Watchdog, describe_oom, enable_flight_recorder, requested_bytes
+from fsdp_trainer.tools.model_checks import check_own_model
 from fsdp_trainer.tools.plan import Plan, check_fits, remedy_after_oom
 from fsdp_trainer.tools.profiling import OPTIMIZER_RANGE, StepProfiler
 from fsdp_trainer.tools.weights import load_weights
@@ -87,19 +86,7 @@ def build_model(cfg: Config, mesh, device: torch.device, model_fn: Optional[Mode
         groups = [] if args.tie_embeddings else [[model.tok_embeddings], [model.norm, model.output]]
     else:
         args = None
-        built = model_fn(cfg)
-        if not (isinstance(built, (tuple, list)) and len(built) == 3 and isinstance(built[0], nn.Module)):
-            got = f"a {type(built).__name__} of {len(built)}" if isinstance(built, (tuple, list)) else \
-                f"a {type(built).__name__}"
-            raise ConfigError(f"model_fn returned {got}, but must return (model, block classes, groups), e.g. "
-                              "(model, (MyBlock,), []), with [] for no groups")
-        model, blocks, groups = built
-        vocab_size = model_args_from_config(cfg.model).vocab_size  # the data's ids are checked against it
-        # Before sharding and materializing it; groups come back as lists (apply_fsdp reads them again).
-        groups = check_own_model(model, blocks, groups, cfg, vocab_size)
-        check_token_embedding_once(model, vocab_size)
-        if not cfg.train.loss_chunk_tokens:  # else forward returns the loss
-            check_logits_once(model, vocab_size)
+        model, blocks, groups = check_own_model(model_fn(cfg), cfg)  # before sharding and materializing
     apply_ac(model, blocks, cfg.ac.mode, cfg.ac.every)
     if cfg.parallel.compile:
         apply_compile(model, blocks)
@@ -108,7 +95,7 @@ def build_model(cfg: Config, mesh, device: torch.device, model_fn: Optional[Mode
                param_dtype=DTYPES[resolve_param_dtype(p.param_dtype, device.type)],
                reduce_dtype=DTYPES[p.reduce_dtype], reshard_after_forward=p.reshard_after_forward,
                keep_gathered=p.keep_gathered, prefetch=p.prefetch, cpu_offload=p.cpu_offload,
-               grads_in_compute_pool=grads_in_compute_pool(p, cfg.train.grad_accum_steps),
+               grads_in_compute_pool=device.type == "cuda" and grads_in_compute_pool(p, cfg.train.grad_accum_steps),
                symmetric_memory_all_gather=device.type == "cuda" and copy_engines_all_gather(cfg, mesh.size()))
     # A model built eagerly holds its weights already (fully_shard moved them to the mesh's device).
     if any(param.is_meta for param in model.parameters()):
@@ -165,10 +152,6 @@ def train_step(model, optimizer, scheduler, batches, cfg: Config, scaler, device
     scheduler.step()
     lap("optimizer")
     return loss_sum, grad_norm
-
-
-def _shape_of(value) -> str:
-    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
 
 
 def mean_over_ranks(value: torch.Tensor, world_size: int) -> float:
@@ -292,94 +275,6 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
             metrics.close()
             stop_workers(batches)
     return {"step": progress.step, "history": history, "model": model, "optimizer": optimizer, "scaler": scaler}
-
-
-def check_own_model(model: nn.Module, blocks: Sequence[type], groups: Sequence[Sequence[nn.Module]], cfg: Config,
-                    vocab_size: int) -> list[list[nn.Module]]:
-    """What would otherwise fail inside the first step (on GPUs, as a device-side assert), in sharding or
-    materializing, or do nothing unsaid, before the model is sharded, as a ConfigError: blocks and groups that
-    cannot be sharded as given (parallelize.check_units); a model on the meta device with parameters or buffers
-    init_weights cannot fill; no embedding as large as vocab_size, the ids the data are checked against (the largest
-    nn.Embedding, which may be a position table: check_token_embedding_once checks the one the tokens index);
-    train.seq_len beyond the model's max_seq_len attribute; settings counting more blocks than it has; a forward
-    that cannot take train.loss_chunk_tokens' call, model(tokens, labels, chunk_tokens). Returns the groups as
-    lists: model_fn may give generators, which sharding reads again."""
-    name = model_class(model).__name__
-    try:
-        block_list, groups = check_units(model, blocks, groups)
-        if any(param.is_meta for param in model.parameters()):  # as build_model decides to call init_weights
-            check_initializable(model)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"{name} as model_fn returned it: {err}") from None
-    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    if sizes and max(sizes) < vocab_size:
-        raise _too_few_rows(name, "largest embedding", max(sizes), vocab_size)
-    max_seq_len = getattr(model, "max_seq_len", None)
-    if max_seq_len is not None and cfg.train.seq_len > max_seq_len:
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds {name}.max_seq_len={max_seq_len}: lower "
-                          "--train.seq_len, or build the model with a longer context")
-    check_block_counts(cfg, len(block_list))
-    if cfg.train.loss_chunk_tokens:
-        try:
-            inspect.signature(model.forward).bind(None, None, None)
-        except TypeError:
-            raise ConfigError(f"train.loss_chunk_tokens needs {name}.forward(tokens, labels, chunk_tokens) "
-                              f"returning the mean loss, but its forward takes {inspect.signature(model.forward)}: "
-                              "set --train.loss_chunk_tokens 0") from None
-    return groups
-
-
-def _too_few_rows(name: str, embedding: str, rows: int, vocab_size: int) -> ConfigError:
-    return ConfigError(f"{name}'s {embedding} has {rows} rows, but the data may hold ids up to "
-                       f"model.vocab_size={vocab_size}: set --model.vocab_size {rows} (the data are checked against "
-                       "it), or build the model with that vocabulary")
-
-
-def check_token_embedding_once(model: nn.Module, vocab_size: int) -> None:
-    """Check, at the first forward of a team's own model and before the lookup, that the embedding the tokens index
-    has vocab_size rows: the one called with the very tensor model() was. check_own_model's largest embedding may
-    be a position table longer than a small vocabulary (bytes, characters), and an id past the token table is an
-    IndexError in the first step, or a device-side assert on GPUs. Identity and sizes only: no sync. The hooks are
-    removed after the first forward."""
-    name = model_class(model).__name__
-    names = {id(module): module_name for module_name, module in model.named_modules()}
-    tokens: list[torch.Tensor] = []
-
-    def record(module: nn.Module, inputs: tuple) -> None:
-        tokens[:] = inputs[:1]
-
-    def check(embedding: nn.Embedding, inputs: tuple) -> None:
-        if tokens and inputs and inputs[0] is tokens[0] and embedding.num_embeddings < vocab_size:
-            remove()
-            raise _too_few_rows(name, f"token embedding {names[id(embedding)]}", embedding.num_embeddings, vocab_size)
-
-    def remove(*unused) -> None:
-        tokens.clear()
-        for handle in handles:
-            handle.remove()
-
-    handles = [model.register_forward_pre_hook(record)]
-    handles += [module.register_forward_pre_hook(check) for module in model.modules()
-                if isinstance(module, nn.Embedding)]
-    handles.append(model.register_forward_hook(remove))
-
-
-def check_logits_once(model: nn.Module, vocab_size: int) -> None:
-    """Check the first forward of a team's own model: the loss takes one tensor of logits, (batch, seq_len, at least
-    vocab_size) for tokens of shape (batch, seq_len); anything else is named there, before the loss fails on it
-    obscurely. Shapes only: no sync. Once: every step's shapes are the same, and the model trained is the user's
-    after it, for generation, say, whose forward may return more."""
-    def check(module: nn.Module, inputs: tuple, logits) -> None:
-        tokens = inputs[0]
-        if (not isinstance(logits, torch.Tensor) or logits.shape[:-1] != tokens.shape
-                or logits.shape[-1] < vocab_size):
-            raise ConfigError(f"model(tokens) returned {_shape_of(logits)} for tokens of shape "
-                              f"{tuple(tokens.shape)}: the trainer needs the logits alone, one tensor of shape (batch, "
-                              f"seq_len, vocab_size) with vocab_size at least model.vocab_size={vocab_size}, which "
-                              "the data's ids are checked against")
-        handle.remove()
-
-    handle = model.register_forward_hook(check)
 
 
 @contextlib.contextmanager

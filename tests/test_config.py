@@ -168,7 +168,7 @@ def test_selective_ac_must_checkpoint_some_block():
 
 def test_a_teams_own_model_is_not_bounded_by_the_llama_preset_s_context_and_depth():
     """The debug preset's 1024 positions and 4 blocks describe the Llama only; a team's model is checked against its
-    own once built (train.check_own_model)."""
+    own once built (tools.model_checks.check_own_model)."""
     cfg = parse_args(["--train.seq_len", "4096", "--parallel.keep_gathered", "8", "--ac.mode", "selective",
                       "--ac.every", "8"])
     with pytest.raises(ConfigError, match="train.seq_len=4096 exceeds model.max_seq_len=1024"):

@@ -20,9 +20,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from fsdp_trainer import distributed, train
 from fsdp_trainer.config import ConfigError, parse_args
 from fsdp_trainer.data import build_dataloader, build_dataset
+from fsdp_trainer.models import llama
 from fsdp_trainer.optim import build_optimizer, build_scheduler, lr_at
+from fsdp_trainer.tools.model_checks import (check_initializable, check_logits_once, check_own_model,
+                                             check_token_embedding_once, check_units)
 
 from helpers import TINY_FLAGS, run_ranks, tiny_config
+from test_parallelize import ARGS, AttentionBlock, Gate, TiedLM
 
 
 class GPT2Block(nn.Module):
@@ -85,6 +89,7 @@ def python_draw_at_build(cfg):
     return drawn[0]
 
 
+@pytest.mark.slow
 def test_python_s_rng_is_seeded_with_train_seed_as_torch_s_is(tmp_path):
     """Fresh processes draw what train.seed says, not what the operating system's entropy does: a team's model that
     draws from `random` trains the same run after run (and checkpoints carry its state on from there)."""
@@ -127,6 +132,7 @@ def reference(cfg, world_size: int, steps: int):
     return losses, model.state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,ac,accum", [(4, "op", 1), (2, "full", 2)])
 def test_a_teams_gpt2_trains_through_the_trainer_like_plain_training(tmp_path, world_size, ac, accum):
     cfg = tiny_config(ac={"mode": ac}, train={"output_dir": str(tmp_path), "steps": 3, "grad_accum_steps": accum,
@@ -140,6 +146,7 @@ def test_a_teams_gpt2_trains_through_the_trainer_like_plain_training(tmp_path, w
     assert result["state"]["lm_head.weight"].equal(result["state"]["wte.weight"])  # still tied
 
 
+@pytest.mark.slow
 def test_a_teams_model_resumes_on_another_world_size(tmp_path):
     """Saved at step 2 of 4 on 2 ranks, resumed on 1 at the same global batch: the uninterrupted run's losses."""
     first = tiny_config(train={"output_dir": str(tmp_path / "a"), "steps": 4}, checkpoint={"interval": 2})
@@ -156,7 +163,7 @@ def one_step(model):
     """train_step on one process, the model unsharded and checked as the trainer checks a team's model, on a batch
     of 2 x 32 tokens."""
     cfg = tiny_config()
-    train.check_logits_once(model, cfg.model.vocab_size)
+    check_logits_once(model, cfg.model.vocab_size)
     optimizer = build_optimizer(model, cfg.optim)
     tokens = torch.randint(0, 320, (2, 33), generator=torch.Generator().manual_seed(0))
     batches = iter([(tokens[:, :-1], tokens[:, 1:])])
@@ -192,6 +199,7 @@ def narrow_head_fn(cfg):
     return NarrowHead(), (GPT2Block,), []
 
 
+@pytest.mark.slow
 def test_the_trainer_checks_the_logits_of_a_teams_model(tmp_path):
     """The check above is the one build_model puts on a team's model (the stdlib data's byte ids, all below 300, would
     train unchecked)."""
@@ -205,7 +213,7 @@ def test_the_logits_are_checked_at_the_first_forward_only():
     """Every step's shapes are the first one's; after training, the model is the user's, whose other uses (generation
     with a cache, say) return more than logits."""
     model = GPT2()
-    train.check_logits_once(model, 320)
+    check_logits_once(model, 320)
     tokens = torch.zeros(2, 32, dtype=torch.long)
     model(tokens)
     model.forward = lambda tokens: (GPT2.forward(model, tokens), None)
@@ -217,12 +225,13 @@ def small_vocab_fn(cfg):
     return GPT2(vocab=300), (GPT2Block,), []
 
 
-def test_an_embedding_smaller_than_the_data_s_vocabulary_is_named_before_the_first_step(tmp_path):
-    """Ids up to model.vocab_size would index past it: an IndexError in the first step, a device-side assert on GPUs."""
-    cfg = tiny_config(train={"output_dir": str(tmp_path)})
-    with pytest.raises(AssertionError, match=r"ConfigError: GPT2's largest embedding has 300 rows, but the data may "
-                                             r"hold ids up to model.vocab_size=320: set --model.vocab_size 300"):
-        run_ranks(train_gpt2, 1, cfg, small_vocab_fn)
+def test_an_embedding_smaller_than_the_data_s_vocabulary_is_named_before_the_first_step():
+    """Ids up to model.vocab_size would index past it: an IndexError in the first step, a device-side assert on GPUs.
+    (test_main_names_... runs this and the next check through the trainer.)"""
+    cfg = tiny_config()
+    with pytest.raises(ConfigError, match=r"^GPT2's largest embedding has 300 rows, but the data may hold ids up to "
+                                          r"model.vocab_size=320: set --model.vocab_size 300"):
+        check_own_model(small_vocab_fn(cfg), cfg)
 
 
 def byte_vocab_fn(cfg):
@@ -230,25 +239,26 @@ def byte_vocab_fn(cfg):
     return GPT2(vocab=300, ctx=1024), (GPT2Block,), []
 
 
-def test_a_token_embedding_smaller_than_the_vocabulary_is_named_at_the_first_lookup(tmp_path):
+def test_a_token_embedding_smaller_than_the_vocabulary_is_named_at_the_first_lookup():
     """Its 1024 positions pass the check of the largest embedding against model.vocab_size=512; the lookup of the
     tokens in its 300 rows is refused before it indexes past them (an IndexError, a device-side assert on GPUs)."""
-    cfg = tiny_config(model={"vocab_size": 512}, train={"output_dir": str(tmp_path)})
-    with pytest.raises(AssertionError, match=r"ConfigError: GPT2's token embedding wte has 300 rows, but the data "
-                                             r"may hold ids up to model.vocab_size=512: set --model.vocab_size 300"):
-        run_ranks(train_gpt2, 1, cfg, byte_vocab_fn)
+    cfg = tiny_config(model={"vocab_size": 512})
+    model, _, _ = check_own_model(byte_vocab_fn(cfg), cfg)
+    with pytest.raises(ConfigError, match=r"^GPT2's token embedding wte has 300 rows, but the data may hold ids up "
+                                          r"to model.vocab_size=512: set --model.vocab_size 300"):
+        model(torch.zeros(2, 32, dtype=torch.long))
 
 
 def test_the_token_embedding_is_checked_at_the_first_forward_only():
     """The position lookup (not the tokens) passes; after the first forward no hook is left to cost anything."""
     model = GPT2(vocab=300, ctx=1024)
-    train.check_token_embedding_once(model, 320)
+    check_token_embedding_once(model, 320)
     with pytest.raises(ConfigError, match="GPT2's token embedding wte has 300 rows"):
         model(torch.zeros(2, 8, dtype=torch.long))
     assert not model._forward_pre_hooks and not model._forward_hooks and not model.wte._forward_pre_hooks
     model(torch.zeros(2, 8, dtype=torch.long))  # unchecked from now on
     model = GPT2(vocab=320)
-    train.check_token_embedding_once(model, 320)
+    check_token_embedding_once(model, 320)
     model(torch.zeros(2, 8, dtype=torch.long))
     assert not model._forward_pre_hooks and not model._forward_hooks
     assert not any(module._forward_pre_hooks for module in model.modules())
@@ -268,6 +278,7 @@ def sharded_units_of_generators(cfg):
     return [isinstance(module, FSDPModule) for module in (model.wpe, model.ln_f)]
 
 
+@pytest.mark.slow
 def test_groups_given_as_generators_are_sharded_as_listed(tmp_path):
     assert run_ranks(sharded_units_of_generators, 1, tiny_config(train={"output_dir": str(tmp_path)})) == [[True, True]]
 
@@ -293,9 +304,10 @@ def returns_tuple_fn(cfg):
                      "(MyBlock,), []), with [] for no groups"),
     ("returns_tuple_fn", "model(tokens) returned a tuple for tokens of shape (2, 32): the trainer needs the logits "
                          "alone"),
-    ("split_tie_fn", "GPT2 as model_fn returned it: apply_fsdp: lm_head.weight (in the root (what no block or group "
+    ("split_tie_fn", "GPT2 as model_fn returned it: lm_head.weight (in the root (what no block or group "
                      "holds)) is the same parameter as wte.weight (in group [wte]), tied weights"),
 ])
+@pytest.mark.slow
 def test_main_names_what_is_wrong_with_a_teams_model_in_one_line(tmp_path, model_fn, message):
     """The trainer's command line, a single process: a model that does not fit the settings, or cannot be sharded
     as model_fn lists its units, is bad input (exit 2, one error line), not a crash with a traceback per rank."""
@@ -311,12 +323,12 @@ def test_main_names_what_is_wrong_with_a_teams_model_in_one_line(tmp_path, model
     assert f"error: {message}" in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
-def test_the_chunked_loss_refuses_a_forward_that_takes_only_tokens(tmp_path):
-    cfg = tiny_config(train={"output_dir": str(tmp_path), "loss_chunk_tokens": 16})
-    with pytest.raises(AssertionError, match=r"ConfigError: train.loss_chunk_tokens needs GPT2.forward\(tokens, "
-                                             r"labels, chunk_tokens\) returning the mean loss, but its forward takes "
-                                             r"\(tokens\): set --train.loss_chunk_tokens 0"):
-        run_ranks(train_gpt2, 1, cfg)
+def test_the_chunked_loss_refuses_a_forward_that_takes_only_tokens():
+    cfg = tiny_config(train={"loss_chunk_tokens": 16})
+    with pytest.raises(ConfigError, match=r"^train.loss_chunk_tokens needs GPT2.forward\(tokens, labels, "
+                                          r"chunk_tokens\) returning the mean loss, but its forward takes \(tokens\): "
+                                          "set --train.loss_chunk_tokens 0"):
+        check_own_model(gpt2_fn(cfg), cfg)
 
 
 def start_main_until_the_group(tmp_path, monkeypatch, *flags: str) -> None:
@@ -359,8 +371,8 @@ class LongContextGPT2(GPT2):
 def test_a_teams_model_s_own_context_and_blocks_bound_the_run(flags, message):
     cfg = parse_args([*TINY_FLAGS, *flags])
     with pytest.raises(ConfigError, match=re.escape(message)):
-        train.check_own_model(LongContextGPT2(), (GPT2Block,), [], cfg, cfg.model.vocab_size)
-    train.check_own_model(LongContextGPT2(), (GPT2Block,), [], parse_args(TINY_FLAGS), cfg.model.vocab_size)
+        check_own_model((LongContextGPT2(), (GPT2Block,), []), cfg)
+    check_own_model((LongContextGPT2(), (GPT2Block,), []), parse_args(TINY_FLAGS))
 
 
 @pytest.mark.parametrize("build,message", [
@@ -379,7 +391,7 @@ def test_a_teams_model_that_cannot_be_sharded_or_materialized_is_named_before_sh
     cfg = parse_args(TINY_FLAGS)
     model, groups = build()
     with pytest.raises(ConfigError, match=message):
-        train.check_own_model(model, (GPT2Block,), groups, cfg, cfg.model.vocab_size)
+        check_own_model((model, (GPT2Block,), groups), cfg)
 
 
 def test_flops_per_token_of_a_teams_model(caplog):
@@ -391,3 +403,133 @@ def test_flops_per_token_of_a_teams_model(caplog):
     assert "GPT2 has no flops_per_token(seq_len): TFLOPs and MFU assume 6 FLOPs per parameter" in caplog.text
     model.flops_per_token = lambda seq_len: 1000 * seq_len
     assert train.flops_per_token(model, None, 32, params) == 32000
+
+
+# -- the checks of tools/model_checks.py on their own: the units a model can be sharded in, and meta-device init --
+def test_a_module_in_two_fsdp_units_is_named():
+    """fully_shard would fail on the second with a bare assertion, or an invariant error for one nested in another."""
+    model = llama.build(ARGS, device="meta")
+    for groups, name in (([[model.layers[3], model.output]], "layers.3"), ([[model.output], [model.norm, model.output]],
+                                                                           "output"),
+                         ([[model.norm, model.norm]], "norm"), ([[model.layers[0].attention]], "layers.0.attention"),
+                         ([[model.layers]], "layers.0"), ([[model]], "layers.0")):
+        with pytest.raises(ValueError, match=f"^{name} is in two FSDP units"):
+            check_units(model, (llama.TransformerBlock,), groups)
+    with pytest.raises(ValueError, match="a group in `groups` is empty"):  # it would fail in sharding, obscurely
+        check_units(model, (llama.TransformerBlock,), [[model.output], []])
+
+
+def test_block_classes_matching_modules_inside_the_blocks_are_refused():
+    """fully_shard would fail on the inner ones with an invariant error."""
+    with torch.device("meta"):
+        model = TiedLM()
+    with pytest.raises(ValueError, match=r"^blocks.0.attn.out_proj is in two FSDP units: the block class "
+                                         r"NonDynamicallyQuantizableLinear matches modules inside another block "
+                                         r"\(blocks.0, of class AttentionBlock\): give block_types the class of the "
+                                         "outermost repeated blocks only$"):
+        check_units(model, (AttentionBlock, nn.Linear))
+
+
+@pytest.mark.parametrize("groups,names", [
+    ([["embed"], ["norm", "head"]], r"head.weight \(in group \[norm, head\]\) is the same parameter as embed.weight "
+                                    r"\(in group \[embed\]\)"),
+    ([["embed"]], r"head.weight \(in the root \(what no block or group holds\)\) is the same parameter as "
+                  r"embed.weight \(in group \[embed\]\)"),
+])
+def test_tied_weights_split_across_units_are_refused(groups, names):
+    """Each unit would shard a copy of its own; FSDP2 refuses it at the first forward at best, once per rank."""
+    with torch.device("meta"):
+        model = TiedLM()
+    with pytest.raises(ValueError, match=names + ", tied weights, which must live in one FSDP unit: put the "
+                                               r"modules that share it \(embed and head\) in one group"):
+        check_units(model, (AttentionBlock,), [[getattr(model, name) for name in group] for group in groups])
+
+
+def _tie_across(model, where):
+    if where == "two blocks":
+        model.blocks[1].mlp.weight = model.blocks[0].mlp.weight
+    else:  # a block and the root
+        model.norm.weight = model.blocks[1].norm.weight
+    return model
+
+
+@pytest.mark.parametrize("where,names", [
+    ("two blocks", r"blocks.1.mlp.weight \(in block blocks.1\) is the same parameter as blocks.0.mlp.weight \(in "
+                   r"block blocks.0\)"),
+    ("block and root", r"norm.weight \(in the root \(what no block or group holds\)\) is the same parameter as "
+                       r"blocks.1.norm.weight \(in block blocks.1\)"),
+])
+def test_a_weight_tied_inside_a_block_is_refused_with_advice_that_can_work(where, names):
+    """A module inside a block cannot join a group (it would be in two units), nor the root: the advice for ties
+    between groups and the root would only lead to another error."""
+    with torch.device("meta"):
+        model = _tie_across(TiedLM(), where)
+    users = {"two blocks": "blocks.0.mlp and blocks.1.mlp", "block and root": "blocks.1.norm and norm"}[where]
+    with pytest.raises(ValueError, match=f"^{names}, tied weights, which must live in one FSDP unit, and a block's "
+                                         "unit is the block: hold the shared weight in one module registered once on "
+                                         r"the model, outside the blocks \(the root or a group of its own then holds "
+                                         r"it\), or pass block classes whose modules contain all its users "
+                                         rf"\({users}\)$"):
+        check_units(model, (AttentionBlock,))
+    if where == "two blocks":  # the second way out: a block class holding all its users (the Sequential of blocks)
+        assert check_units(model, (nn.Sequential,))[0] == [model.blocks]
+
+
+@pytest.mark.parametrize("groups,message", [
+    (lambda m: [m.embed, m.norm], r"groups holds an item of type Embedding where a list of modules belongs: groups is "
+                                  r"a list of lists of modules, e.g. \[\[model.embed\], \[model.norm, "
+                                  r"model.head\]\], or \[\] for none"),
+    (lambda m: [(m.norm)], "groups holds an item of type LayerNorm where a list of modules belongs"),
+    # list() would take the Sequential's blocks for the group
+    (lambda m: [m.blocks], "groups holds an item of type Sequential where a list of modules belongs"),
+    (lambda m: m.norm, "groups holds an item of type LayerNorm where a list of modules belongs: groups is a list of "
+                       "lists of modules"),
+    (lambda m: [["norm", "head"]], "a group holds an item of type str, not a module: groups is a list of lists"),
+])
+def test_groups_in_another_form_than_lists_of_modules_are_refused_showing_the_form(groups, message):
+    with torch.device("meta"):
+        model = TiedLM()
+    with pytest.raises(TypeError, match=f"^{message}"):
+        check_units(model, (AttentionBlock,), groups(model))
+
+
+def test_a_group_given_as_a_module_list_is_its_modules():
+    with torch.device("meta"):
+        model = TiedLM()
+    assert check_units(model, (AttentionBlock,), [nn.ModuleList([model.norm])])[1] == [[model.norm]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_model_built_in_16_bits_is_refused(dtype):
+    """fully_shard would keep the 16-bit dtype for the sharded parameters: master weights and AdamW moments in 16
+    bits, and the float32-reduced gradients rounded down to it, with nothing to show for it but a worse loss."""
+    model = llama.build(ARGS, device="meta").to(dtype)
+    with pytest.raises(ValueError, match=r"^trainable parameters in 16 bits \(tok_embeddings.weight, "
+                                         r"layers.0.attention_norm.weight, layers.0.attention.wq.weight, "
+                                         r"layers.0.attention.wk.weight ...\), but the sharded parameters are the "
+                                         "optimizer's master weights"):
+        check_units(model, (llama.TransformerBlock,))
+    # A frozen 16-bit base has no master weights: only the trainable parameters must be float32.
+    model = llama.build(ARGS, device="meta").to(dtype).requires_grad_(False)
+    model.output.float().requires_grad_(True)
+    check_units(model, (llama.TransformerBlock,))
+
+
+def test_init_weights_would_leave_parameters_and_buffers_nothing_fills():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)  # reset_parameters() fills it
+            self.scale = nn.Parameter(torch.ones(4))
+            self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+    with torch.device("meta"):
+        model = Scaled()
+    with pytest.raises(ValueError, match="cannot initialize scale, table: materialized from meta"):
+        check_initializable(model)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), Gate(4))  # no module around the gate resets
+    with pytest.raises(ValueError, match=r"cannot initialize 1.scale: materialized from meta"):
+        check_initializable(model)
+    with torch.device("meta"):
+        check_initializable(TiedLM())  # the gate's block resets it

@@ -11,7 +11,7 @@ from torch import nn
 
 from fsdp_trainer.config import parse_args
 from fsdp_trainer.models.llama import ModelArgs, TransformerBlock, build
-from fsdp_trainer.parallelize import apply_ac, apply_fsdp, blocks_of
+from fsdp_trainer.parallelize import apply_ac, apply_fsdp, blocks_of, init_weights
 
 from helpers import SDPA, TINY_FLAGS, OpCounter, is_gathered, run_ranks
 
@@ -51,54 +51,34 @@ def test_every_ac_mode_gives_the_gradients_of_no_ac_and_recomputes_what_it_shoul
 
 
 def test_blocks_of_names_the_missing_block_type():
-    with pytest.raises(ValueError, match="has no submodule of type Linear"):
+    with pytest.raises(ValueError, match=r"^Sequential has no submodule of the block classes \(Linear\): pass the "
+                                         "classes of its repeated blocks as block_types"):
         blocks_of(nn.Sequential(nn.ReLU()), (nn.Linear,))
+    with pytest.raises(ValueError, match=r"^TiedLM has no submodule of the block classes \(\): pass the classes of "
+                                         r"its repeated blocks as block_types \(for a model without any, of its "
+                                         r"largest submodules\)$"):
+        blocks_of(TiedLM(), ())
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"mode": "Full"}, "mode='Full': expected one of 'none', 'full', 'selective', 'op'"),
-    ({"mode": "selective", "every": 0}, "every=0: selective AC checkpoints every `every`-th block, so it must be 1 "
-                                        "or more"),
-], ids=["mode", "every"])
-def test_apply_ac_refuses_an_unknown_mode_and_a_selective_every_below_one(kwargs, message):
-    """A team calls apply_ac on its own model: a misspelt mode would leave it without AC, unsaid, and every=0 would
-    divide by zero."""
-    with pytest.raises(ValueError, match=f"^{message}$"):
-        apply_ac(build(ARGS, device="meta"), (TransformerBlock,), **kwargs)
-
-
-def test_apply_fsdp_refuses_an_unknown_reshard_policy_before_sharding(monkeypatch):
-    from fsdp_trainer import parallelize
-
-    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
-    with pytest.raises(ValueError, match="^reshard_after_forward='Never': expected one of 'default', 'always', "
-                                         "'never'$"):
-        apply_fsdp(build(ARGS, device="meta"), None, block_types=(TransformerBlock,), reshard_after_forward="Never")
-
-
-@pytest.mark.parametrize("block_types", ["TransformerBlock", TransformerBlock, ("TransformerBlock",)])
-def test_block_types_given_as_a_name_or_a_bare_class_are_refused_naming_the_form(block_types):
-    with pytest.raises(TypeError, match=r"block_types=.*expected a tuple of the classes of the model's repeated "
-                                        r"blocks, e.g. \(MyBlock,\)"):
-        blocks_of(build(ARGS, device="meta"), block_types)
-
-
-def test_a_module_in_two_fsdp_units_is_named_before_sharding(monkeypatch):
-    """fully_shard would fail on the second with a bare assertion."""
-    from fsdp_trainer import parallelize
-
-    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
+def test_block_types_are_a_tuple_of_classes_or_one_class():
     model = build(ARGS, device="meta")
-    for groups, name in (([[model.layers[3], model.output]], "layers.3"), ([[model.output], [model.norm, model.output]],
-                                                                           "output"),
-                         ([[model.norm, model.norm]], "norm"), ([[model.layers[0].attention]], "layers.0.attention"),
-                         ([[model.layers]], "layers.0")):
-        with pytest.raises(ValueError, match=f"^{name} is in two FSDP units"):
-            apply_fsdp(model, None, block_types=(TransformerBlock,), groups=groups)
-    with pytest.raises(ValueError, match="the model itself cannot be in `groups`"):
-        apply_fsdp(model, None, block_types=(TransformerBlock,), groups=[[model]])
-    with pytest.raises(ValueError, match="a group in `groups` is empty"):  # it would fail in sharding, obscurely
-        apply_fsdp(model, None, block_types=(TransformerBlock,), groups=[[model.output], []])
+    assert blocks_of(model, TransformerBlock) == blocks_of(model, (TransformerBlock,)) == list(model.layers)
+    for name in ("TransformerBlock", ("TransformerBlock",)):
+        with pytest.raises(TypeError, match="isinstance"):
+            blocks_of(model, name)
+
+
+def test_a_misspelt_ac_mode_or_reshard_policy_fails_before_anything_is_wrapped_or_sharded(monkeypatch):
+    """A team calls apply_ac or apply_fsdp on its own model: a misspelt mode must not leave it without AC, unsaid."""
+    from fsdp_trainer import parallelize
+
+    model = build(ARGS, device="meta")
+    with pytest.raises(KeyError, match="Full"):
+        apply_ac(model, (TransformerBlock,), "Full")
+    assert all("forward" not in vars(block) for block in model.layers)
+    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
+    with pytest.raises(KeyError, match="Never"):
+        apply_fsdp(model, None, block_types=(TransformerBlock,), reshard_after_forward="Never")
 
 
 # -- a team's own model: not a transformer, no init_param, built eagerly ------------------------------------
@@ -160,6 +140,7 @@ def shard_own_model(world):
     return (mean_loss / world).tolist(), state
 
 
+@pytest.mark.slow
 def test_a_teams_own_model_shards_and_matches_plain_training():
     results = run_ranks(shard_own_model, 2, 2)
     torch.manual_seed(0)
@@ -202,7 +183,6 @@ def gathered_after_forward(cases):
     """For each (reshard_after_forward, keep_gathered, embedding in a group of its own): which blocks, and whether
     the embedding, still hold gathered (plain tensor) parameters between forward and backward."""
     from fsdp_trainer import distributed
-    from fsdp_trainer.parallelize import init_weights
     distributed.init()
     mesh = distributed.build_mesh("cpu", 1, 2)
     results = []
@@ -235,11 +215,13 @@ def gathered() -> list[dict]:
     return [dict(zip(cases, answers)) for answers in run_ranks(gathered_after_forward, 2, cases)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reshard,keep", GATHERED)
 def test_blocks_kept_gathered_after_forward(gathered, reshard, keep):
     assert [answers[reshard, keep, False][0] for answers in gathered] == [GATHERED[reshard, keep]] * 2
 
 
+@pytest.mark.slow
 def test_the_module_kept_gathered_is_the_last_to_run_not_the_last_group_listed(gathered):
     # The embedding is a group of its own, registered (and run) before the blocks: the last block stays gathered.
     assert [answers["default", 0, True] for answers in gathered] == [([3], False)] * 2
@@ -255,6 +237,7 @@ def test_gradients_in_the_compute_pool_are_refused_where_the_gradient_is_not_the
                    grads_in_compute_pool=True, **unsafe)
 
 
+@pytest.mark.slow
 def test_prefetch_two_asks_each_block_for_the_next_two_in_both_directions():
     one, two = run_ranks(record_prefetch, 1, [1, 2])[0]
     assert one == {}  # FSDP2's own schedule
@@ -283,22 +266,6 @@ def test_per_op_ac_keeps_the_outputs_of_linear_layers_with_a_bias():
     assert full["addmm"] - base["addmm"] == 3
     assert op["addmm"] == base["addmm"] and op["gelu"] == 3
 
-
-def test_init_weights_refuses_parameters_and_buffers_nothing_would_fill():
-    from fsdp_trainer.parallelize import init_weights
-
-    class Scaled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(4, 4)  # reset_parameters() fills it
-            self.scale = nn.Parameter(torch.ones(4))
-            self.register_buffer("table", torch.arange(4.0), persistent=False)
-
-    with torch.device("meta"):
-        model = Scaled()
-    with pytest.raises(ValueError, match="cannot initialize scale, table: materialized from meta"):
-        init_weights(model, torch.device("cpu"))
-    assert model.linear.weight.is_meta  # refused before anything was allocated
 
 
 def test_the_compute_pool_reduce_scatter_refuses_to_add_into_existing_gradients():
@@ -411,7 +378,6 @@ def shard_tied_lm(world, groups):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from fsdp_trainer import distributed
-    from fsdp_trainer.parallelize import init_weights
     info = distributed.init()
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     with torch.device("meta"):
@@ -429,8 +395,6 @@ def shard_tied_lm(world, groups):
 def test_init_weights_fills_multihead_attention_and_parameters_their_block_resets():
     """Meta-device init gives eager construction's weights: MultiheadAttention through its _reset_parameters(),
     the gate through its block's reset_parameters(), which runs after the block's submodules' resets."""
-    from fsdp_trainer.parallelize import init_weights
-
     torch.manual_seed(0)
     reference = TiedLM().state_dict()
     with torch.device("meta"):
@@ -441,6 +405,7 @@ def test_init_weights_fills_multihead_attention_and_parameters_their_block_reset
         assert torch.equal(value, reference[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_a_teams_tied_transformer_shards_and_matches_plain_training(world):
     """Initialized on meta without init_param, on any number of CPU ranks (3 cut every dimension of TiedLM
@@ -459,118 +424,13 @@ def test_a_teams_tied_transformer_shards_and_matches_plain_training(world):
         torch.testing.assert_close(state[name], value, atol=1e-5, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("groups,names", [
-    ([["embed"], ["norm", "head"]], r"head.weight \(in group \[norm, head\]\) is the same parameter as embed.weight "
-                                    r"\(in group \[embed\]\)"),
-    ([["embed"]], r"head.weight \(in the root \(what no block or group holds\)\) is the same parameter as "
-                  r"embed.weight \(in group \[embed\]\)"),
-])
-def test_apply_fsdp_refuses_tied_weights_split_across_units_before_sharding(monkeypatch, groups, names):
-    from fsdp_trainer import parallelize
-
-    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
-    with torch.device("meta"):
-        model = TiedLM()
-    with pytest.raises(ValueError, match=names + ", tied weights, which must live in one FSDP unit: put the "
-                                               r"modules that share it \(embed and head\) in one group"):
-        apply_fsdp(model, None, block_types=(AttentionBlock,),
-                   groups=[[getattr(model, name) for name in group] for group in groups])
-
-
-def _tie_across(model, where):
-    if where == "two blocks":
-        model.blocks[1].mlp.weight = model.blocks[0].mlp.weight
-    else:  # a block and the root
-        model.norm.weight = model.blocks[1].norm.weight
-    return model
-
-
-@pytest.mark.parametrize("where,names", [
-    ("two blocks", r"blocks.1.mlp.weight \(in block blocks.1\) is the same parameter as blocks.0.mlp.weight \(in "
-                   r"block blocks.0\)"),
-    ("block and root", r"norm.weight \(in the root \(what no block or group holds\)\) is the same parameter as "
-                       r"blocks.1.norm.weight \(in block blocks.1\)"),
-])
-def test_a_weight_tied_inside_a_block_is_refused_with_advice_that_can_work(monkeypatch, where, names):
-    """A module inside a block cannot join a group (it would be in two units), nor the root: the advice for ties
-    between groups and the root would only lead to another error."""
-    from fsdp_trainer import parallelize
-
-    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
-    with torch.device("meta"):
-        model = _tie_across(TiedLM(), where)
-    users = {"two blocks": "blocks.0.mlp and blocks.1.mlp", "block and root": "blocks.1.norm and norm"}[where]
-    with pytest.raises(ValueError, match=f"^apply_fsdp: {names}, tied weights, which must live in one FSDP unit, and "
-                                         "a block's unit is the block: hold the shared weight in one module registered "
-                                         r"once on the model, outside the blocks \(the root or a group of its own then "
-                                         r"holds it\), or pass block classes whose modules contain all its users "
-                                         rf"\({users}\)$"):
-        apply_fsdp(model, None, block_types=(AttentionBlock,))
-    if where == "two blocks":  # the second way out: a block class holding all its users (the Sequential of blocks)
-        assert parallelize.check_units(model, (nn.Sequential,))[0] == [model.blocks]
-
-
-@pytest.mark.parametrize("groups,message", [
-    (lambda m: [m.embed, m.norm], r"groups holds an item of type Embedding where a list of modules belongs: groups is "
-                                  r"a list of lists of modules, e.g. \[\[model.embed\], \[model.norm, "
-                                  r"model.head\]\], or \[\] for none"),
-    (lambda m: [(m.norm)], "groups holds an item of type LayerNorm where a list of modules belongs"),
-    # list() would take the Sequential's blocks for the group
-    (lambda m: [m.blocks], "groups holds an item of type Sequential where a list of modules belongs"),
-    (lambda m: m.norm, "groups is of type LayerNorm: groups is a list of lists of modules"),
-    (lambda m: [["norm", "head"]], "a group holds an item of type str, not a module: groups is a list of lists"),
-])
-def test_groups_in_another_form_than_lists_of_modules_are_refused_showing_the_form(monkeypatch, groups, message):
-    from fsdp_trainer import parallelize
-
-    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
-    with torch.device("meta"):
-        model = TiedLM()
-    with pytest.raises(TypeError, match=f"^{message}"):
-        apply_fsdp(model, None, block_types=(AttentionBlock,), groups=groups(model))
-
-
-def test_a_group_given_as_a_module_list_is_its_modules():
-    from fsdp_trainer import parallelize
-
-    with torch.device("meta"):
-        model = TiedLM()
-    assert parallelize._listed_groups([nn.ModuleList([model.norm])]) == [[model.norm]]
-
-
-@pytest.mark.parametrize("block_types,message", [
-    ((TiedLM,), "^block_types includes TiedLM, the model's own class, but the model is the root unit, sharded last "
-                "with whatever no block holds: pass the class of its repeated blocks$"),
-    ((nn.ModuleList,), r"^block_types includes ModuleList, a container without a forward of its own, which "
-                       r"fully_shard cannot shard as a unit: pass the class of the blocks it holds "
-                       r"\(AttentionBlock\)$"),
-    ((), "^block_types is empty, but TiedLM is sharded block by block: pass the class of its repeated blocks, or, "
-         "for a model without any, the class of its largest submodules"),
-    ((AttentionBlock, nn.Linear), r"^blocks.0.attn.out_proj is in two FSDP units: the block class "
-                                  r"NonDynamicallyQuantizableLinear matches modules inside another block \(blocks.0, "
-                                  r"of class AttentionBlock\): give block_types the class of the outermost "
-                                  "repeated blocks only$"),
-])
-def test_block_classes_fully_shard_would_fail_on_are_refused_before_sharding(monkeypatch, block_types, message):
-    """The model's own class and a container without a forward fail inside fully_shard (an assertion, a bare
-    ValueError); no class, or a class matching modules inside the blocks, would otherwise be named obscurely."""
-    from fsdp_trainer import parallelize
-
-    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
-    with torch.device("meta"):
-        model = TiedLM()
-    model.blocks = nn.ModuleList(model.blocks)  # a container without a forward, as many models hold their blocks
-    with pytest.raises(ValueError, match=message):
-        apply_fsdp(model, None, block_types=block_types)
-
-
 def second_backward_training_one_module(cases):
-    """For each (model, module) case: the model sharded in its groups with only that module trainable, so that the
-    modules sharded with it hold no gradient. After one backward the compute-pool reduce-scatter is installed
-    (before it, its first allocation would reach for CUDA, as it does wherever its guard lets a backward through),
-    and a second backward without zero_grad, which would add into that module's gradients, must be refused."""
+    """For each (model, module) case: the model sharded in its groups with the compute-pool reduce-scatter and only
+    that module trainable, so that the modules sharded with it hold no gradient. A second backward without
+    zero_grad, which would add into that module's gradients, must be refused. On CPU the reduce-scatter's streams
+    are None (torch.cuda.stream(None) does nothing)."""
     from fsdp_trainer import distributed
-    from fsdp_trainer.parallelize import _pool_gradients, init_weights
+    torch.cuda.current_stream = lambda device=None: None
     distributed.init()
     mesh = distributed.build_mesh("cpu", 1, 2)
     for case, trained in cases:
@@ -581,18 +441,19 @@ def second_backward_training_one_module(cases):
             with torch.device("meta"):
                 model = TiedLM()
             blocks, groups = (AttentionBlock,), [[model.embed, model.norm, model.head]]
-        apply_fsdp(model, mesh, block_types=blocks, groups=groups, param_dtype=torch.float32)
+        apply_fsdp(model, mesh, block_types=blocks, groups=groups, param_dtype=torch.float32,
+                   grads_in_compute_pool=True)
         init_weights(model, torch.device("cpu"))
         trainable = {id(param) for param in getattr(model, trained).parameters()}
         for param in model.parameters():
             param.requires_grad_(id(param) in trainable)
         tokens = torch.zeros(2, 8, dtype=torch.long)
         model(tokens).sum().backward()
-        _pool_gradients(model, None)
         with pytest.raises(RuntimeError, match="would add into gradients that already exist"):
             model(tokens).sum().backward()
 
 
+@pytest.mark.slow
 def test_the_compute_pool_guard_covers_every_module_sharded_together():
     """The final norm and the output projection (and a tied embedding) are sharded in one fully_shard call, which
     has one reduce-scatter: its guard must see the gradients of each of them, whichever alone trains."""
@@ -600,20 +461,9 @@ def test_the_compute_pool_guard_covers_every_module_sharded_together():
               [("llama", "output"), ("llama", "norm"), ("tied", "head"), ("tied", "norm")])
 
 
-def test_init_weights_refuses_a_parameter_no_module_around_it_resets():
-    from fsdp_trainer.parallelize import init_weights
-
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(4, 4), Gate(4))
-    with pytest.raises(ValueError, match=r"cannot initialize 1.scale: materialized from meta"):
-        init_weights(model, torch.device("cpu"))
-
-
 def test_init_param_leaves_each_buffer_to_its_modules_reset():
-    """init_param fills parameters only: a BatchNorm's running statistics, which _left_unset counts as filled by the
-    BatchNorm's reset_parameters(), are reset (materialized from meta, they held garbage)."""
-    from fsdp_trainer.parallelize import init_weights
-
+    """init_param fills parameters only: a BatchNorm's running statistics, which its reset_parameters() fills (so
+    check_initializable passes them), are reset (materialized from meta, they held garbage)."""
     class Normed(nn.Module):
         def __init__(self):
             super().__init__()
@@ -636,7 +486,6 @@ def tied_group_gathered_after_forward():
     """TiedLM sharded with its tied embedding and head in one group (with the final norm): whether each block, and
     the group, still hold gathered parameters between forward and backward."""
     from fsdp_trainer import distributed
-    from fsdp_trainer.parallelize import init_weights
     distributed.init()
     with torch.device("meta"):
         model = TiedLM()
@@ -647,30 +496,11 @@ def tied_group_gathered_after_forward():
     return [is_gathered(block) for block in model.blocks], is_gathered(model.head)
 
 
+@pytest.mark.slow
 def test_a_group_that_runs_last_stays_gathered_though_its_first_module_runs_first():
     """The group's head runs after the last block, so the group, not that block, is the unit kept gathered after
     forward, though its embedding is registered (and runs) before the blocks."""
     assert run_ranks(tied_group_gathered_after_forward, 2) == [([False, False], True)] * 2
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_apply_fsdp_refuses_a_model_built_in_16_bits_before_sharding(monkeypatch, dtype):
-    """fully_shard would keep the 16-bit dtype for the sharded parameters: master weights and AdamW moments in 16
-    bits, and the float32-reduced gradients rounded down to it, with nothing to show for it but a worse loss."""
-    from fsdp_trainer import parallelize
-
-    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: pytest.fail("sharded before the check"))
-    model = build(ARGS, device="meta").to(dtype)
-    with pytest.raises(ValueError, match=r"apply_fsdp: trainable parameters in 16 bits \(tok_embeddings.weight, "
-                                         r"layers.0.attention_norm.weight, layers.0.attention.wq.weight, "
-                                         r"layers.0.attention.wk.weight ...\), but the sharded parameters are the "
-                                         "optimizer's master weights"):
-        apply_fsdp(model, None, block_types=(TransformerBlock,))
-    # A frozen 16-bit base has no master weights: only the trainable parameters must be float32.
-    monkeypatch.setattr(parallelize, "fully_shard", lambda module, **kwargs: module)
-    model = build(ARGS, device="meta").to(dtype).requires_grad_(False)
-    model.output.float().requires_grad_(True)
-    apply_fsdp(model, None, block_types=(TransformerBlock,))
 
 
 @pytest.mark.parametrize("world,local,nccl,cumem,dp_replicate,applies", [
@@ -735,7 +565,6 @@ def all_gathers_counted_through_the_installed_comm(symmetric: bool) -> int:
     import torch.distributed as dist
 
     from fsdp_trainer import distributed, parallelize
-    from fsdp_trainer.parallelize import init_weights
 
     calls = []
 
@@ -762,6 +591,7 @@ def all_gathers_counted_through_the_installed_comm(symmetric: bool) -> int:
     return len(calls)
 
 
+@pytest.mark.slow
 def test_every_unit_all_gathers_through_the_symmetric_memory_all_gather_forward_and_backward():
     """Each block, the embedding and the output head all-gather through it in forward, and every unit resharded
     after forward (all but the output head) again in backward; without the flag, nothing does."""

@@ -17,11 +17,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fsdp_trainer import parallelize
-from fsdp_trainer.config import Config, ConfigError, block_ac_modes, parse_args, validate
+from fsdp_trainer.config import Config, ConfigError, parse_args, validate
 from fsdp_trainer.loss import linear_cross_entropy
 from fsdp_trainer.metrics import GiB
 from fsdp_trainer.models.llama import build, model_args_from_config
-from fsdp_trainer.parallelize import init_weights, apply_ac
+from fsdp_trainer.parallelize import apply_ac, block_ac_modes, init_weights
 from fsdp_trainer.tools.plan import (OPTION_MARGIN, Group, _moments, _note, _setup, block_saved_bytes,
                                 check_fits, ids_labels_bytes, op_ac_saved_bytes, parse_memory, plan, remedy_after_oom,
                                 rms_norm_saved_bytes)
@@ -317,7 +317,7 @@ class Block(torch.nn.Linear):
 
 
 def test_the_planned_block_modes_are_the_blocks_apply_ac_checkpoints(monkeypatch):
-    """Each block's activations are planned by how `apply_ac` runs it (both follow config.block_ac_modes):
+    """Each block's activations are planned by how `apply_ac` runs it (both follow parallelize.block_ac_modes):
     checkpointed whole, per-op, or not at all."""
     ran = []
 

@@ -77,10 +77,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from fsdp_trainer.config import (Config, ConfigError, block_ac_modes, grads_in_compute_pool, mesh_shape,
-                                 parse_args, resolve_param_dtype, validate)
+from fsdp_trainer.config import (Config, ConfigError, grads_in_compute_pool, mesh_shape, parse_args,
+                                 resolve_param_dtype, validate)
 from fsdp_trainer.metrics import GiB
 from fsdp_trainer.models.llama import ModelArgs, build, model_args_from_config
+from fsdp_trainer.parallelize import block_ac_modes
 
 # -- assumptions ---------------------------------------------------------------------------------------------------
 GPUS_PER_NODE = 8
