@@ -38,27 +38,11 @@ The model of memory, per GPU, in the steady state (step 2 on, once AdamW's state
     also allocates the sharded gradients on its reduce-scatter stream (parallel.grads_in_compute_pool off or not
     applicable), what zero_grad frees stays reserved for the next gradients, out of the activations' reach: the
     compute stream's moments then exclude the gradients, and every sharded gradient is added. Below the reserved
-    figure, a capped allocator runs but empties its cache and retries, stalling the GPU, each step (8B, no AC, 4
-    H200s, gradients apart: 74.1 GiB reserved uncapped; capped at 71 GiB, 45% slower). Last, NCCL/cuBLAS workspaces
-    and the CUDA context, outside the allocator.
+    figure, a capped allocator runs but empties its cache and retries, stalling the GPU, each step. Last, NCCL/cuBLAS
+    workspaces and the CUDA context, outside the allocator.
     Every constant below is an assumption, stated where it is defined.
-The allocator peak was checked against torch.cuda.max_memory_allocated() on one and two H200s (torch 2.11, cuDNN
-attention, fused RMSNorm) for AC none/op/selective/full, grad accumulation, deferred sync and reshard never, tied and
-untied: within 0.4% each, and on four H200s for the full 8B and 8.5B models with AC op and full (tests/test_plan.py
-keeps those numbers). Compiled blocks without AC keep no SiLU output, as Inductor recomputes it, and compiled per-op
-AC blocks keep no w2 output, which no backward reads (each within 0.2% of the 8B peaks on two and four H200s); the
-compiled loss holds the logits and their param_dtype gradient, no float32 buffers (`fsdp_trainer.loss`). The
-chunked loss and two-block prefetch were checked on two H200s (within 2%). The reserved estimate was checked against
-torch.cuda.max_memory_reserved() of the full 8B on four H200s, compiled and eager, AC none/op/full, micro-batch 1
-and 2, reshard never and keep_gathered, and the 8.5B with full AC: -1% to +4% with the gradients apart or in the
-compute pool and FSDP2's all-gather; with the copy engines' all-gather (eager and compiled per-op AC, full and no
-AC, micro-batch 2), -0.9% to +4.0%. CPU offload was checked on one H100, eager: the 8B shape cut to 4 layers without
-AC and with full AC, and the 1B without AC at micro-batch 2, within 0.4% each (the peak is at the loss's backward,
-where no shard is being copied in from the host: FSDP2 copies a parameter's float32 shard to the GPU inside a group's all-gather,
-casts it to param_dtype and frees it before the all-gather output exists, and no moment planned is inside an
-all-gather); their reserved memory within +2.0%, +0.3% and -4.5%, after memory snapshots showed the two stream
-terms above. Not checked on GPUs: HSDP, float16, and the reduce-scatter output's block that the reduce-scatter
-stream keeps when accumulating with a reduce-scatter per micro-batch (counted from torch's source).
+The constants of this model are fixed: its accuracy is measured on runs none of them was fitted to
+(benchmarks/plan_accuracy.py), not tuned to them.
 """
 
 from __future__ import annotations
@@ -90,14 +74,12 @@ DEFAULT_GPUS, DEFAULT_GPU_MEMORY = 8, 80 * GiB
 CUDA_CONTEXT_BYTES = 1 * GiB
 """CUDA context and PyTorch's lazily loaded kernels, outside the allocator: 0.5-1 GiB per process on H100-class GPUs."""
 WORKSPACE_BYTES = 3 * GiB // 4
-"""NCCL communicator buffers (outside the allocator; they grow with peers) and cuBLAS workspaces. On H200s with torch
-2.11, 1.29 GiB was used outside the allocator with one rank and 1.57 GiB with two, context included."""
+"""NCCL communicator buffers (outside the allocator; they grow with peers) and cuBLAS workspaces."""
 FRAGMENTATION = 0.05
 """Fragmentation of the compute stream's memory: reserved beyond what it has allocated at its peak."""
 FRAGMENTATION_AMONG_GRADS = 0.085
 """The same where that peak is the end of backward and the sharded gradients share the compute stream's pool: they
-are allocated block by block between the activations that backward frees. Measured with full AC on 4 H200s: 8.5% for
-the 8B (3.0 GiB over 35.2 allocated) and 8.3% for the 8.5B, against 5% with the gradients apart."""
+are allocated block by block between the activations that backward frees."""
 
 # The throughput model only ranks suggestions by their rough cost; these set the compute/communication balance.
 ACHIEVED_FLOPS = 400e12
@@ -110,35 +92,27 @@ PCIE_BW = 25e9
 """Host <-> GPU copies of pinned memory (PCIe 5 x16 achieved), for CPU offload."""
 HOST_ADAMW_BW = 115e9
 """Bytes/s of host memory that one node's ranks stream together through the fused CPU AdamW under CPU offload, each on
-its share of the cores (parallel.offload_threads=0): on the 16-core host of a 1 x H200 machine, one rank on 16
-threads 118.7 GB/s, two on 8 each 108.3, four on 4 each 114.7, where one thread alone streams 20
-(benchmarks/results/2026-11-29-H200x1/host_adamw.json). Memory bandwidth, not cores, is then the limit."""
+its share of the cores (parallel.offload_threads=0): memory bandwidth, not cores, is the limit (benchmarks/host_adamw.py
+measures it)."""
 GATHER_COPY_SECONDS_PER_BYTE = 1.3e-3 / GiB
-"""Compute-stream time of FSDP2's copies per all-gathered byte: 32 fewer re-gathers of the 8B's blocks (13.6 GiB
-per step) made a 4 x H200 step 18 ms shorter (benchmarks/README.md, keeping blocks gathered)."""
+"""Compute-stream time of FSDP2's copies per all-gathered byte, on an H200 (benchmarks/README.md, keeping blocks
+gathered)."""
 NCCL_ALL_GATHER_SECONDS_PER_BYTE = 0.62e-3 / GiB
 """Compute time NCCL's all-gather kernels take from the step, per all-gathered byte, where the copy engines do not
-run the all-gathers (parallel.copy_engine_all_gather): the 8B's forward+backward on 4 x H200 took 17-19 ms longer
-with FSDP2's all-gather, 28.9 GiB gathered per step, in every AC mode at micro-batch 1 (9 ms at micro-batch 2;
-benchmarks/README.md)."""
+run the all-gathers (parallel.copy_engine_all_gather), on H200s (benchmarks/README.md)."""
 OP_AC_RECOMPUTE = {"compiled": 0.01, "eager": 0.028}
 """Per-op AC recomputes only elementwise work (norms, RoPE, SiLU), no matmuls; Inductor fuses it into neighbouring
-kernels, eager runs each op on its own. Extra time per token against no AC, 8B on 4 H200s
-(benchmarks/results/2026-11-26-H200x4/): compiled 0.7-1.1% in seven sweeps (llama3_8b.json: 9,662 against 9,733
-tokens/s/GPU; _eager_noac_sweep, _clipped, _after_review, _grads_pool, _levers, _earlier_machine), 0.1-0.9% on one
-GPU (llama3_8b_8layers.json); eager 2.8% (llama3_8b_eager_noac.json: 8,920 against 9,168, on one machine)."""
+kernels, eager runs each op on its own. Extra time per token against no AC, for the 8B
+(benchmarks/results/2026-11-26-H200x4/llama3_8b*.json)."""
 FORWARD_TIME_PER_FLOP = 0.62
 """A block's forward takes this share of the time its FLOPs would take at the step's average rate, as backward's
-kernels (attention's above all) run slower per FLOP than forward's. Full AC, which runs every forward again, took
-20.3-20.9% more time per token than no AC, compiled, for the 8B on 4 H200s in six sweeps (llama3_8b.json: 7,940
-against 9,567 tokens/s/GPU in _eager_noac_sweep), where the forward is 31.5% of the FLOPs; and 14.6-15.4% for its
-8-block cut on one H100 or H200 (llama3_8b_8layers.json), where it is 27.1%."""
+kernels (attention's above all) run slower per FLOP than forward's: from full AC's cost against no AC, for the 8B
+and its 8-block cut (benchmarks/results/2026-11-26-H200x4/llama3_8b.json, */llama3_8b_8layers.json)."""
 SAME_SPEED = 0.005
 """Changes in time per token smaller than this read as "~same speed", and are not offered to a run that fits."""
 OPTION_MARGIN = 0.02
 """Share of the GPU every suggested setting must leave free: a change that makes a run fit, more GPUs, and a faster
-option offered to a run that fits. The reserved estimate ran up to 1.2% below the measured (8B, full AC, 4 H200s;
-tests/test_plan.py), and a run capped below its reserved memory stalls on allocator retries (45% slower, above): a
+option offered to a run that fits. A run capped below its reserved memory stalls on allocator retries: a
 suggestion that fits only to the last percent may be one of those. The verdict on the run as given has no margin."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -248,9 +222,8 @@ def op_ac_saved_bytes(args: ModelArgs, tokens: int, pbytes: int) -> dict[str, in
 def block_bytes_by_mode(args: ModelArgs, tokens: int, pbytes: int, compiled: bool = False) -> dict[str, int]:
     """Bytes one block keeps from its forward to its backward, for each way it can be run. Compiled, Inductor's
     partitioner keeps only what the backward reads. A block without AC then keeps no SiLU output: SiLU is fused
-    into its product and recomputed in backward (8B, no AC, 4 H200s: 71.40 GiB measured, 71.27 planned so, 78.27
-    as eager). A per-op AC block keeps no w2 output, which eager SAC saves only because it is a matmul's (8B on 2
-    H200s: exactly 2.00 GiB, 32 x 8192 x 4096 x 2 bytes, below eager)."""
+    into its product and recomputed in backward. A per-op AC block keeps no w2 output, which eager SAC saves only
+    because it is a matmul's."""
     none = sum(block_saved_bytes(args, tokens, pbytes).values())
     op = op_ac_saved_bytes(args, tokens, pbytes)
     return {"none": none - (pbytes * tokens * args.ffn_hidden_dim if compiled else 0),
@@ -697,9 +670,7 @@ def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], moments: dict[str
         # Groups outside the blocks (Llama: embedding, output projection) and the blocks gathered ahead.
         others = [s.gathered_bytes(g) for g in s.groups if g.role != "block"]
         block = max(s.gathered_bytes(g) for g in s.groups if g.role == "block")
-        # In NCCL's symmetric memory pool, the groups outside the blocks did not share memory: on 4 H200s the 8B
-        # reserved 0.885 GiB more in every AC mode than with FSDP2's all-gather (benchmarks/README.md); this
-        # adds 0.98 GiB.
+        # In NCCL's symmetric memory pool the groups outside the blocks share no memory (benchmarks/README.md).
         if s.symmetric_all_gather:
             rows.append(Row("all-gather symmetric memory pool", sum(others) + s.prefetch * block,
                             "every gathered group outside the blocks + the blocks gathered ahead"))
