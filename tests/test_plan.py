@@ -25,6 +25,7 @@ from fsdp_trainer.parallelize import init_weights, apply_ac
 from fsdp_trainer.tools.plan import (OPTION_MARGIN, Group, _moments, _note, _setup, block_saved_bytes,
                                 check_fits, ids_labels_bytes, op_ac_saved_bytes, parse_memory, plan, remedy_after_oom,
                                 rms_norm_saved_bytes)
+from fsdp_trainer.tools.gpus import GPUS, from_device
 from fsdp_trainer.tools.plan import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -814,6 +815,7 @@ def test_cli_plans_param_dtype_auto_as_this_machine_s_gpu_runs_it(monkeypatch, c
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=32 * GiB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla V100-SXM2-32GB")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     chunked = ("--train.loss_chunk_tokens", "2048")
 
@@ -832,12 +834,13 @@ def test_cli_plans_param_dtype_auto_as_this_machine_s_gpu_runs_it(monkeypatch, c
 def test_cli_without_gpus_says_once_what_it_assumed(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, out, _ = _plan_cli(capsys)
-    assert code == 0 and out.splitlines()[1] == ("assumed 8 GPUs, 80 GiB per GPU, as this machine has no GPU: set "
-                                                 "--gpus and --gpu-memory for yours")
-    assert out.count("assumed") == out.count("--gpu-memory") == 1
-    assert _plan_cli(capsys, "--gpus", "8")[1].splitlines()[1] == ("assumed 80 GiB per GPU, as this machine has no "
-                                                                 "GPU: set --gpu-memory for yours")
+    assert code == 0 and out.splitlines()[2] == ("assumed 8 GPUs, 80 GiB each with an h200's rates, as this machine "
+                                                 "has no GPU: set --gpus and --gpu for yours")
+    assert out.count("assumed") == 1
+    assert _plan_cli(capsys, "--gpus", "8")[1].splitlines()[2] == ("assumed 80 GiB each with an h200's rates, as this "
+                                                                 "machine has no GPU: set --gpu for yours")
     assert "assumed" not in _plan_cli(capsys, "--gpus", "8", "--gpu-memory", "80GiB")[1]
+    assert "assumed" not in _plan_cli(capsys, "--gpus", "8", "--gpu", "a6000")[1]
     assert json.loads(_plan_cli(capsys, "--gpu-memory", "80GiB", "--json")[1])["assumed"] == (
         "assumed 8 GPUs, as this machine has no GPU: set --gpus for yours")
     # A refusal of the GPU count names the assumption; one of a count the user gave, or of the memory, does not.
@@ -845,6 +848,65 @@ def test_cli_without_gpus_says_once_what_it_assumed(monkeypatch, capsys):
     assert code == 2 and "8 ranks" in err and err.endswith(
         " (assumed 8 GPUs, as this machine has no GPU: set --gpus for yours)\n")
     assert "assumed" not in _plan_cli(capsys, "--gpus", "3", "--parallel.dp_replicate", "2")[2]
+
+
+@pytest.mark.parametrize("device_name,memory_gib,card", [
+    ("NVIDIA H100 80GB HBM3", 79.2, "h100-sxm"), ("NVIDIA H100 PCIe", 79.2, "h100-pcie"), ("NVIDIA H200", 139.8, "h200"),
+    ("NVIDIA A100-SXM4-40GB", 39.4, "a100-40gb"), ("NVIDIA A100-SXM4-80GB", 79.1, "a100-80gb"),
+    ("NVIDIA RTX A6000", 47.5, "a6000"), ("NVIDIA L40S", 44.5, "l40s"), ("NVIDIA RTX A4000", 15.7, "generic"),
+])
+def test_a_card_is_found_by_the_name_cuda_gives_it_with_the_memory_it_has(device_name, memory_gib, card):
+    """An A100's memory tells 40 GB from 80 GB; an unknown card is generic: the reference card's rates at its own
+    peak where metrics.PEAK_FLOPS knows it (the A4000 it does not)."""
+    found = from_device(device_name, int(memory_gib * GiB))
+    assert found.name == card and found.memory_bytes == int(memory_gib * GiB)
+    if card != "generic":
+        assert found.bf16_flops == GPUS[card].bf16_flops and found.link == GPUS[card].link
+    assert from_device("NVIDIA A40", 44 * GiB).bf16_flops == 150e12
+
+
+def test_the_time_model_runs_at_the_card_s_peak_links_and_memory_bandwidth():
+    """Compute at ACHIEVED_MFU of the card's dense bf16 peak, FSDP's collectives at its node's NCCL bus bandwidth
+    (PCIe 4's nominal 12 GB/s against NVLink 4's 350), the gather copies at its memory bandwidth against the H200's
+    they were measured on; the step is the slower of compute and communication plus the copies."""
+    cfg = cfg_for("--ac.mode", "op", "--parallel.compile")
+    parts = {name: plan(cfg, 8, GPUS[name]).step_parts for name in ("h200", "h100-sxm", "h100-pcie", "a6000")}
+    args = model_args_from_config(cfg.model)
+    assert parts["h200"]["compute"] == pytest.approx(8192 * args.flops_per_token(8192) * 1.01 / (0.4 * 989e12))
+    output = 128256 * 4096 + 4096  # kept gathered from forward to backward: all-gathered once, the rest twice
+    all_gathered, reduced = 2 * (2 * P8B - output), 4 * P8B
+    assert parts["h200"]["communication"] == pytest.approx((all_gathered + reduced) * 7 / 8 / 350e9)
+    assert parts["a6000"]["compute"] / parts["h200"]["compute"] == pytest.approx(989 / 155)
+    assert parts["a6000"]["communication"] / parts["h200"]["communication"] == pytest.approx(350 / 12)
+    assert parts["h100-pcie"]["communication"] / parts["h100-sxm"]["communication"] == pytest.approx(350 / 24)
+    assert parts["a6000"]["gather copies"] / parts["h200"]["gather copies"] == pytest.approx(4800 / 768)
+    on_pcie = plan(cfg, 8, GPUS["a6000"])
+    assert on_pcie.step_seconds == max(parts["a6000"]["compute"], parts["a6000"]["communication"]) + parts[
+        "a6000"]["gather copies"]
+
+
+def test_cpu_offload_copies_over_the_card_s_pcie_link_and_steps_at_the_host_s_bandwidth():
+    cfg = cfg_for("--ac.mode", "full", "--parallel.cpu_offload")
+    gen4 = plan(cfg, 8, GPUS["a6000"], host_bandwidth=50e9).step_parts
+    gen5 = plan(cfg, 8, GPUS["h100-sxm"]).step_parts
+    assert gen4["host copies"] / gen5["host copies"] == pytest.approx(25 / 12.5)
+    # 28 bytes a shard element (AdamW reads four float32 tensors, writes three), for the node's 8 ranks at once
+    assert gen4["host AdamW"] == pytest.approx(28 * P8B / 8 * 8 / 50e9)
+    assert gen5["host AdamW"] == pytest.approx(28 * P8B / 8 * 8 / 115e9)
+
+
+def test_cli_plans_for_a_named_card_and_records_it_in_the_json(capsys):
+    code, out, _ = _plan_cli(capsys, "--gpu", "a6000", "--gpus", "8", "--json")
+    card = json.loads(out)["gpu"]
+    assert card["name"] == "a6000" and card["link"] == "PCIe 4" and card["bus_bw"] == 12e9
+    assert json.loads(out)["capacity_bytes"] == card["memory_bytes"] == int(47.5 * GiB)
+    smaller = json.loads(_plan_cli(capsys, "--gpu", "a6000", "--gpu-memory", "47.4GiB", "--gpus", "8", "--json")[1])
+    assert smaller["capacity_bytes"] == smaller["gpu"]["memory_bytes"] == int(47.4 * GiB)
+    assert smaller["gpu"]["bf16_flops"] == 155e12
+    assert json.loads(_plan_cli(capsys, "--gpu-memory", "47.4GiB", "--gpus", "8", "--json")[1])["gpu"]["name"] == (
+        "generic")
+    code, _, err = _plan_cli(capsys, "--gpu", "a9000", "--gpus", "8")
+    assert code == 2 and "--gpu a9000" in err and "a6000" in err
 
 
 def test_text_table_names_every_part():
@@ -911,6 +973,7 @@ def test_the_launch_plans_the_all_gather_this_host_will_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=141 * GiB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     cfg = cfg_for("--ac.mode", "op", "--parallel.compile")
     for applies, row_name in ((True, "all-gather symmetric memory pool"), (False, "all-gather stream's buffers")):

@@ -12,7 +12,7 @@ would), 2 bad arguments. Without --gpus or --gpu-memory the planner uses this ma
 
 From the trainer, before anything is allocated:
 
-    plan = check_fits(cfg, world_size, torch.cuda.get_device_properties(device).total_memory)
+    plan = check_fits(cfg, world_size, gpus.this_gpu(device))
     print(plan.summary_line())            # rank 0; if not plan.fits: stop unless cfg.memory.ignore_plan
     ...after a few steps: plan.predicted_peak_bytes vs torch.cuda.max_memory_allocated()
 
@@ -65,6 +65,7 @@ from fsdp_trainer.config import (Config, ConfigError, block_ac_modes, grads_in_c
                                  parse_args, resolve_param_dtype, validate)
 from fsdp_trainer.metrics import GiB
 from fsdp_trainer.models.llama import ModelArgs, build, model_args_from_config
+from fsdp_trainer.tools.gpus import GPU, GPUS, REFERENCE, generic, this_gpu
 
 # -- assumptions ---------------------------------------------------------------------------------------------------
 GPUS_PER_NODE = 8
@@ -81,25 +82,22 @@ FRAGMENTATION_AMONG_GRADS = 0.085
 """The same where that peak is the end of backward and the sharded gradients share the compute stream's pool: they
 are allocated block by block between the activations that backward frees."""
 
-# The throughput model only ranks suggestions by their rough cost; these set the compute/communication balance.
-ACHIEVED_FLOPS = 400e12
-"""bf16 FLOP/s a training step sustains on an H100 (~40% MFU of 989 TFLOP/s)."""
-INTRA_NODE_BUS_BW = 350e9
-"""NCCL bus bandwidth among the GPUs of one node over NVLink (DESIGN.md: 340-353 GB/s all-reduce on 4 x H200)."""
+# The throughput model only ranks suggestions by their rough cost; these and the card's profile (tools/gpus.py) set
+# the compute/communication balance.
+ACHIEVED_MFU = 0.4
+"""Share of the card's dense bf16 peak a training step sustains (400 of an H100's 989 TFLOP/s)."""
 INTER_NODE_BUS_BW = 40e9
 """Per GPU across nodes: 400 Gb/s InfiniBand per GPU at ~80%."""
-PCIE_BW = 25e9
-"""Host <-> GPU copies of pinned memory (PCIe 5 x16 achieved), for CPU offload."""
 HOST_ADAMW_BW = 115e9
 """Bytes/s of host memory that one node's ranks stream together through the fused CPU AdamW under CPU offload, each on
-its share of the cores (parallel.offload_threads=0): memory bandwidth, not cores, is the limit (benchmarks/host_adamw.py
-measures it)."""
+its share of the cores (parallel.offload_threads=0), as measured on an H200 host: memory bandwidth, not cores, is the
+limit. --host-bandwidth gives another host's (benchmarks/host_adamw.py measures it)."""
 GATHER_COPY_SECONDS_PER_BYTE = 1.3e-3 / GiB
-"""Compute-stream time of FSDP2's copies per all-gathered byte, on an H200 (benchmarks/README.md, keeping blocks
-gathered)."""
+"""Compute-stream time of FSDP2's copies per all-gathered byte, on gpus.REFERENCE (benchmarks/README.md, keeping
+blocks gathered)."""
 NCCL_ALL_GATHER_SECONDS_PER_BYTE = 0.62e-3 / GiB
 """Compute time NCCL's all-gather kernels take from the step, per all-gathered byte, where the copy engines do not
-run the all-gathers (parallel.copy_engine_all_gather), on H200s (benchmarks/README.md)."""
+run the all-gathers (parallel.copy_engine_all_gather), on gpus.REFERENCE (benchmarks/README.md)."""
 OP_AC_RECOMPUTE = {"compiled": 0.01, "eager": 0.028}
 """Per-op AC recomputes only elementwise work (norms, RoPE, SiLU), no matmuls; Inductor fuses it into neighbouring
 kernels, eager runs each op on its own. Extra time per token against no AC, for the 8B
@@ -252,6 +250,8 @@ class _Setup:
     groups: tuple[Group, ...]
     gpus: int
     gpus_per_node: int
+    gpu: GPU
+    host_bw: float  # bytes/s of host memory one node's ranks stream through host AdamW under CPU offload
     replicate: int
     shard: int
     param_dtype: str
@@ -294,13 +294,14 @@ class _Setup:
         return self.pbytes * group.gathered_numel(self.shard)
 
 
-def _setup(cfg: Config, gpus: int, gpus_per_node: int) -> _Setup:
+def _setup(cfg: Config, gpus: int, gpus_per_node: int, gpu: GPU = REFERENCE,
+           host_bw: float = HOST_ADAMW_BW) -> _Setup:
     args = model_args_from_config(cfg.model)
     replicate, shard = mesh_shape(cfg.parallel, gpus)
     p = cfg.parallel
     # 'auto' left unresolved is planned as Ampere and newer GPUs run it; the plan notes it (`_estimate`).
     param_dtype = "bfloat16" if p.param_dtype == "auto" else p.param_dtype
-    return _Setup(args, fsdp_groups(args), gpus, gpus_per_node, replicate, shard, param_dtype,
+    return _Setup(args, fsdp_groups(args), gpus, gpus_per_node, gpu, host_bw, replicate, shard, param_dtype,
                   DTYPE_BYTES[p.reduce_dtype], cfg.train.seq_len, cfg.train.micro_batch_size,
                   cfg.train.grad_accum_steps, cfg.ac.mode, cfg.ac.every, p.reshard_after_forward, p.keep_gathered,
                   p.cpu_offload, p.defer_grad_sync and cfg.train.grad_accum_steps > 1, cfg.train.loss_chunk_tokens,
@@ -448,30 +449,41 @@ def _recompute_fraction(s: _Setup) -> float:
     return FORWARD_TIME_PER_FLOP * flops_share
 
 
-def _step_seconds(s: _Setup) -> float:
-    """Rough time of one optimizer step: FSDP overlaps collectives with compute, so the slower sets the pace, and
-    copies every gathered group out on the compute stream; CPU offload's copies and host AdamW are added in full."""
-    compute = s.accum * s.tokens * s.args.flops_per_token(s.seq) * (1 + _recompute_fraction(s)) / ACHIEVED_FLOPS
+def step_parts(s: _Setup) -> dict[str, float]:
+    """Seconds of one optimizer step on s.gpu, by part, from a rough model. FSDP overlaps collectives with compute,
+    so the slower of the two sets the pace (`_step_seconds`); FSDP2 copies every gathered group out on the compute
+    stream, and CPU offload's copies and host AdamW come on top."""
+    flops = s.accum * s.tokens * s.args.flops_per_token(s.seq) * (1 + _recompute_fraction(s))
+    compute = flops / (ACHIEVED_MFU * s.gpu.bf16_flops)
     numel = s.gathered_numel()
     resharded = numel - s.gathered_numel(kept_after_forward(s.groups, s.reshard, s.keep_gathered))
     reduces = 1 if s.defer else s.accum
     # Each micro-batch gathers every group for forward and the resharded ones again for backward.
     gathered = s.accum * s.pbytes * (numel + resharded)
     shard_bytes = gathered + reduces * s.rbytes * numel
-    shard_bw = INTRA_NODE_BUS_BW if s.shard <= s.gpus_per_node else INTER_NODE_BUS_BW
+    shard_bw = s.gpu.bus_bw if s.shard <= s.gpus_per_node else INTER_NODE_BUS_BW
     comm = shard_bytes * (s.shard - 1) / s.shard / shard_bw
     if s.replicate > 1:  # HSDP all-reduces the sharded gradients across replicas
-        replica_bw = INTER_NODE_BUS_BW if s.gpus > s.gpus_per_node else INTRA_NODE_BUS_BW
+        replica_bw = INTER_NODE_BUS_BW if s.gpus > s.gpus_per_node else s.gpu.bus_bw
         comm += reduces * 2 * s.rbytes * numel / s.shard * (s.replicate - 1) / s.replicate / replica_bw
-    offload = 0.0
+    # The copies and NCCL's kernels are memory-bound work on the GPU, measured on the reference card.
+    per_byte = GATHER_COPY_SECONDS_PER_BYTE + (
+        0.0 if s.symmetric_all_gather or s.shard == 1 else NCCL_ALL_GATHER_SECONDS_PER_BYTE)
+    parts = {"compute": compute, "communication": comm,
+             "gather copies": gathered * per_byte * REFERENCE.memory_bw / s.gpu.memory_bw}
     if s.offload:
         shard = s.shard_numel()
         copies = 4 * shard * (s.accum * (numel + resharded) / numel + reduces)  # float32 shards in, gradients out
+        parts["host copies"] = copies / s.gpu.host_bw
         # AdamW reads parameter, gradient and both moments and writes back three of them: 28 bytes per element, for
         # every rank of the node at once.
-        offload = copies / PCIE_BW + 28 * shard * s.ranks_per_node / HOST_ADAMW_BW
-    kernels = 0.0 if s.symmetric_all_gather or s.shard == 1 else gathered * NCCL_ALL_GATHER_SECONDS_PER_BYTE
-    return max(compute, comm) + gathered * GATHER_COPY_SECONDS_PER_BYTE + kernels + offload
+        parts["host AdamW"] = 28 * shard * s.ranks_per_node / s.host_bw
+    return parts
+
+
+def _step_seconds(parts: dict[str, float]) -> float:
+    return max(parts["compute"], parts["communication"]) + sum(
+        t for name, t in parts.items() if name not in ("compute", "communication"))
 
 
 def _host_bytes_per_node(s: _Setup) -> int:
@@ -540,6 +552,10 @@ class Plan:
     dp_shard: int
     capacity_bytes: int
     capacity_source: str
+    gpu: GPU
+    """The card planned for: its memory, compute and links, which the time model reads."""
+    host_bandwidth: float
+    """Bytes/s of host memory one node's ranks stream through host AdamW under CPU offload."""
     rows: list[Row]
     """Per-GPU bytes at the peak moment, margins last."""
     peak_moment: str
@@ -557,6 +573,8 @@ class Plan:
     """Host RAM per node for async checkpoint staging."""
     step_seconds: float
     """Rough model of one optimizer step, for comparing suggestions; not a benchmark."""
+    step_parts: dict[str, float]
+    """step_seconds by part (`step_parts`): compute and communication overlap, the others add."""
     suggestions: list[Suggestion] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     assumed: str = ""
@@ -588,7 +606,8 @@ class Plan:
         return {**dataclasses.asdict(self), "fits": self.fits, "headroom_bytes": self.headroom_bytes}
 
     def render(self) -> str:
-        lines = [self.setup, *([self.assumed] if self.assumed else []), f"per GPU, at the peak ({self.peak_moment}):"]
+        lines = [self.setup, f"GPU {self.gpu.describe()}", *([self.assumed] if self.assumed else []),
+                 f"per GPU, at the peak ({self.peak_moment}):"]
         lines += [f"  {row.name:<46}{row.bytes / GiB:>8.2f} GiB  {row.note}".rstrip() for row in self.rows]
         lines.append(f"  {'total':<46}{self.total_bytes / GiB:>8.2f} GiB  of {self.capacity_bytes / GiB:.2f} GiB "
                      f"({self.capacity_source})")
@@ -604,6 +623,12 @@ class Plan:
         lines.append(f"verdict: fits, {self.headroom_bytes / GiB:.2f} GiB headroom "
                      f"({self.headroom_bytes / self.capacity_bytes:.0%})" if self.fits
                      else f"verdict: DOES NOT FIT: {-self.headroom_bytes / GiB:.2f} GiB over")
+        offload = self.host_bytes_per_node or any(s.change.get("parallel.cpu_offload") for s in self.suggestions)
+        parts = ", ".join(f"{name} {t:.2f}" for name, t in self.step_parts.items() if t)
+        lines.append(f"time, from a rough model on {self.gpu.name}: ~{self.step_seconds:.2f} s a step ({parts}; "
+                     "compute and communication overlap)"
+                     + (f"; host AdamW at {self.host_bandwidth / 1e9:.0f} GB/s per node (--host-bandwidth-gbs)"
+                        if offload else ""))
         if self.suggestions:
             lines.append(f"faster settings that fit with {OPTION_MARGIN:.0%} of the GPU to spare, fastest first "
                          "(time per token per GPU from a rough model):" if self.fits
@@ -616,8 +641,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_per_node: int) -> Plan:
-    s = _setup(cfg, gpus, gpus_per_node)
+def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_per_node: int, gpu: GPU,
+              host_bandwidth: float) -> Plan:
+    s = _setup(cfg, gpus, gpus_per_node, gpu, host_bandwidth)
     by_moment = _moments(s)
     moments = {name: sum(parts.values()) for name, parts in by_moment.items()}
     peak_moment = max(moments, key=moments.get)
@@ -628,6 +654,7 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
     allocated = moments[peak_moment]
     cached = _reserved(s, by_moment, moments, peak_moment)
     reserved = allocated + sum(r.bytes for r in cached)
+    times = step_parts(s)
     outside = [Row("NCCL + cuBLAS workspaces", WORKSPACE_BYTES, "estimate"),
                Row("CUDA context", CUDA_CONTEXT_BYTES, "estimate, outside PyTorch's allocator")]
     mesh = f"FSDP over {s.shard}" if s.replicate == 1 else f"HSDP {s.replicate} x {s.shard}"
@@ -645,9 +672,9 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
         notes.append("param_dtype 'auto' planned as bfloat16, as Ampere and newer GPUs run it; older ones run float16 "
                      "with loss scaling: plan that with --parallel.param_dtype float16")
     return Plan(setup, s.args.num_params(), gpus, gpus_per_node, s.replicate, s.shard, capacity, capacity_source,
-                rows + cached + outside, peak_moment, moments, allocated, reserved,
+                gpu, host_bandwidth, rows + cached + outside, peak_moment, moments, allocated, reserved,
                 reserved + sum(r.bytes for r in outside),
-                _host_bytes_per_node(s), _staging_bytes_per_node(cfg, s), _step_seconds(s), notes=notes)
+                _host_bytes_per_node(s), _staging_bytes_per_node(cfg, s), _step_seconds(times), times, notes=notes)
 
 
 def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], moments: dict[str, int], peak_moment: str) -> list[Row]:
@@ -725,16 +752,18 @@ def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:
     }
 
 
-def plan(cfg: Config, gpus: int, gpu_memory_bytes: int, gpus_per_node: Optional[int] = None) -> Plan:
-    """Predict per-GPU memory of training `cfg` on `gpus` GPUs of `gpu_memory_bytes` each (memory.limit_gib, when
-    set and smaller, is the capacity); when it does not fit, list changes that do, cheapest first; when it fits,
-    faster settings that fit too, fastest first."""
+def plan(cfg: Config, gpus: int, gpu: GPU | int, gpus_per_node: Optional[int] = None,
+         host_bandwidth: float = HOST_ADAMW_BW) -> Plan:
+    """Predict per-GPU memory of training `cfg` on `gpus` cards of profile `gpu`, or of that many bytes of memory
+    (a generic card; memory.limit_gib, when set and smaller, is the capacity); when it does not fit, list changes
+    that do, cheapest first; when it fits, faster settings that fit too, fastest first."""
     validate(cfg, gpus, "cuda")
-    capacity, source = gpu_memory_bytes, "GPU memory"
-    if cfg.memory.limit_gib is not None and cfg.memory.limit_gib * GiB < gpu_memory_bytes:
+    gpu = gpu if isinstance(gpu, GPU) else generic(gpu)
+    capacity, source = gpu.memory_bytes, "GPU memory"
+    if cfg.memory.limit_gib is not None and cfg.memory.limit_gib * GiB < capacity:
         capacity, source = int(cfg.memory.limit_gib * GiB), "memory.limit_gib"
     # The node size itself, even where the run uses fewer GPUs: suggestions of more GPUs fill nodes of that size.
-    result = _estimate(cfg, gpus, capacity, source, gpus_per_node or GPUS_PER_NODE)
+    result = _estimate(cfg, gpus, capacity, source, gpus_per_node or GPUS_PER_NODE, gpu, host_bandwidth)
     if result.fits:
         result.suggestions = _faster_options(cfg, result)
     else:
@@ -744,11 +773,10 @@ def plan(cfg: Config, gpus: int, gpu_memory_bytes: int, gpus_per_node: Optional[
     return result
 
 
-def check_fits(cfg: Config, world_size: int, gpu_memory_bytes: int) -> Plan:
-    """The plan for the job being started: `plan` with the node size torchrun reports (LOCAL_WORLD_SIZE), and
-    param_dtype 'auto' resolved for this node's GPUs."""
-    return plan(_for_this_gpu(cfg), world_size, gpu_memory_bytes,
-                int(os.environ.get("LOCAL_WORLD_SIZE", GPUS_PER_NODE)))
+def check_fits(cfg: Config, world_size: int, gpu: GPU | int) -> Plan:
+    """The plan for the job being started on `gpu` (gpus.this_gpu): `plan` with the node size torchrun reports
+    (LOCAL_WORLD_SIZE), and param_dtype 'auto' resolved for this node's GPUs."""
+    return plan(_for_this_gpu(cfg), world_size, gpu, int(os.environ.get("LOCAL_WORLD_SIZE", GPUS_PER_NODE)))
 
 
 def remedy_after_oom(cfg: Config, planned: Plan, short_by: int) -> Optional[Suggestion]:
@@ -825,7 +853,8 @@ def _replan(cfg: Config, base: Plan, change: dict[str, Any]) -> Optional[Plan]:
         validate(new, gpus, "cuda")
     except ConfigError:
         return None
-    return _estimate(new, gpus, base.capacity_bytes, base.capacity_source, base.gpus_per_node)
+    return _estimate(new, gpus, base.capacity_bytes, base.capacity_source, base.gpus_per_node, base.gpu,
+                     base.host_bandwidth)
 
 
 def _cost(base: Plan, new: Plan, tokens_ratio: float = 1.0) -> float:
@@ -1031,27 +1060,39 @@ class PlanArgs(Config):
 
     gpus: Optional[int] = None
     """GPUs the run will use (None: this machine's GPUs, or 8 where it has none)."""
+    gpu: Optional[str] = None
+    """The card, for its memory and time costs: a100-40gb, a100-80gb, a6000, l40s, h100-sxm, h100-pcie, h200
+    (None: this machine's; given, param_dtype 'auto' is planned as bfloat16)."""
     gpu_memory: Optional[str] = None
-    """Memory of one GPU with a unit, e.g. 80GiB, 47.4GiB, 80GB (None: this machine's GPU, or 80GiB). Given, the
-    plan is for another GPU than this machine's: param_dtype 'auto' is planned as bfloat16."""
+    """Memory of one GPU with a unit, e.g. 80GiB, 47.4GiB, 80GB (None: the card's). Alone, a generic card of that
+    memory, planned as --gpu is."""
+    host_bandwidth_gbs: Optional[float] = None
+    """GB/s one node's ranks stream through host AdamW under CPU offload, as benchmarks/host_adamw.py measures it
+    (None: 115, an H200 host's)."""
     json: bool = False
     """Print the plan as JSON instead of a table."""
 
 
-def _hardware(args: PlanArgs) -> tuple[int, int, bool, dict[str, str]]:
-    """GPU count and memory: the flags, else this machine's GPUs, else DEFAULT_GPUS x DEFAULT_GPU_MEMORY. Then
-    whether the plan is for this machine's GPU (its memory, whatever the count), and what was assumed, in words, by
-    the flag that would set it."""
+def _hardware(args: PlanArgs) -> tuple[int, GPU, bool, dict[str, str]]:
+    """GPU count and card: the flags, else this machine's GPUs, else DEFAULT_GPUS generic cards of
+    DEFAULT_GPU_MEMORY. Then whether the plan is for this machine's GPU (whatever the count), and what was assumed,
+    in words, by the flag that would set it."""
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus}: must be at least 1")
+    if args.gpu is not None and args.gpu not in GPUS:
+        raise ConfigError(f"--gpu {args.gpu}: not a card the planner knows; choose one of {', '.join(GPUS)}, or give "
+                          "--gpu-memory alone for a generic card")
     memory = parse_memory(args.gpu_memory) if args.gpu_memory is not None else None
-    if torch.cuda.is_available():
-        gpus = args.gpus or torch.cuda.device_count()
-        return gpus, memory or torch.cuda.get_device_properties(0).total_memory, memory is None, {}
+    here = torch.cuda.is_available()
+    if here and args.gpu is None and memory is None:
+        return args.gpus or torch.cuda.device_count(), this_gpu(), True, {}
+    card = GPUS[args.gpu] if args.gpu else generic(memory or DEFAULT_GPU_MEMORY)
+    card = dataclasses.replace(card, memory_bytes=memory or card.memory_bytes)
     assumed = {flag: value for flag, value, given in
-               (("--gpus", f"{DEFAULT_GPUS} GPUs", args.gpus),
-                ("--gpu-memory", f"{DEFAULT_GPU_MEMORY / GiB:.0f} GiB per GPU", memory)) if given is None}
-    return args.gpus or DEFAULT_GPUS, memory or DEFAULT_GPU_MEMORY, False, assumed
+               (("--gpus", f"{DEFAULT_GPUS} GPUs", args.gpus or here or None),
+                ("--gpu", f"{DEFAULT_GPU_MEMORY / GiB:.0f} GiB each with an {REFERENCE.name}'s rates",
+                 args.gpu or memory)) if given is None}
+    return args.gpus or (torch.cuda.device_count() if here else DEFAULT_GPUS), card, False, assumed
 
 
 def _in_words(assumed: dict[str, str]) -> str:
@@ -1066,8 +1107,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:  # a bad flag or config file exits 2, apart from a plan that does not fit (1)
         args = parse_args(argv, cls=PlanArgs, description=__doc__.split("\n\n")[0],
                           prog="python -m fsdp_trainer.tools.plan")
-        gpus, memory, this_gpu, assumed = _hardware(args)
-        result = plan(_for_this_gpu(args) if this_gpu else args, gpus, memory)
+        gpus, card, here, assumed = _hardware(args)
+        host = HOST_ADAMW_BW if args.host_bandwidth_gbs is None else args.host_bandwidth_gbs * 1e9
+        result = plan(_for_this_gpu(args) if here else args, gpus, card, host_bandwidth=host)
     except ConfigError as err:
         # Validation reads the GPU count, not the memory: it may refuse a count the user never set (the ranks a
         # mesh does not divide).
