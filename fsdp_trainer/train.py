@@ -515,8 +515,8 @@ def fits_or_exit(cfg: Config, world_size: int, rank: int, own_model: bool = Fals
         raise ConfigError(f"{memory_plan.summary_line()}. Apply a suggested change, or "
                           "pass --memory.ignore_plan to start anyway. Details: python -m fsdp_trainer.tools.plan "
                           "with the same flags")
-    if rank == 0:
-        print(memory_plan.summary_line(), file=sys.stderr)
+    if rank == 0:  # marginal: the headroom is inside the plan's error, a warning that names the change leaving it
+        print(("warning: " if memory_plan.verdict == "marginal" else "") + memory_plan.summary_line(), file=sys.stderr)
     return memory_plan
 
 
