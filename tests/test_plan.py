@@ -840,6 +840,8 @@ def test_cli_json_and_exit_status():
     assert done.returncode == 1, done.stderr  # does not fit
     result = json.loads(done.stdout)
     assert result["fits"] is False and result["num_params"] == P8B and result["suggestions"]
+    assert result["optimizer"] == {"name": "AdamW", "state": "exp_avg + exp_avg_sq", "state_dtype": "float32",
+                                   "state_bytes_per_param": 8}
     assert result["total_bytes"] == sum(r["bytes"] for r in result["rows"])
 
 
@@ -968,7 +970,9 @@ def test_cli_plans_for_a_named_card_and_records_it_in_the_json(capsys):
 
 def test_text_table_names_every_part():
     text = plan(cfg_for(), 8, parse_memory("47.4GiB")).render()
-    for part in ("parameters, float32 shards", "AdamW", "activations saved", "logits", "fragmentation",
+    for part in ("parameters, float32 shards", "| optimizer AdamW, float32 state |",
+                 "AdamW exp_avg + exp_avg_sq, float32 shards        7.48 GiB  8 bytes a parameter / dp_shard 8",
+                 "activations saved", "logits", "fragmentation",
                  "CUDA context", "total", "verdict: DOES NOT FIT", "--ac.mode full"):
         assert part in text
 

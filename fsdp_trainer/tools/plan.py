@@ -117,6 +117,9 @@ were fitted to, until the held-out table (benchmarks/plan_accuracy.py --heldout)
 setting must leave the band: a run capped below its reserved memory stalls on allocator retries."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+OPTIMIZER = {"name": "AdamW", "state": "exp_avg + exp_avg_sq", "state_dtype": "float32", "state_bytes_per_param": 8}
+"""What optim.build_optimizer runs, as the plan counts it: two moments per parameter in the float32 of the sharded
+parameters they update (an 8-bit Adam would hold 2 bytes a parameter, not 8)."""
 
 
 # -- what the model is made of ---------------------------------------------------------------------------------------
@@ -429,7 +432,7 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
 ROW_LABELS = {
     "params": "parameters, float32 shards",
     "grads": "gradients, float32 shards",
-    "optimizer": "AdamW exp_avg + exp_avg_sq, float32 shards",
+    "optimizer": f"{OPTIMIZER['name']} {OPTIMIZER['state']}, {OPTIMIZER['state_dtype']} shards",
     "kept": "gathered params kept after forward",
     "comm": "all-gather / reduce-scatter buffers in flight",
     "deferred": "unsharded grads held for deferred sync",
@@ -623,7 +626,7 @@ class Plan:
         return line
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "fits": self.fits, "verdict": self.verdict, "error_band": ERROR_BAND,
+        return {**dataclasses.asdict(self), "optimizer": OPTIMIZER, "fits": self.fits, "verdict": self.verdict, "error_band": ERROR_BAND,
                 "band_bytes": self.band_bytes, "headroom_bytes": self.headroom_bytes}
 
     def render(self) -> str:
@@ -683,6 +686,7 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
              f"{gpus} GPUs, {mesh} | seq {s.seq} x micro-batch {s.micro_batch}, grad accum {s.accum} | "
              f"ac {s.ac_mode}{f' every {s.ac_every}' if s.ac_mode == 'selective' else ''} | "
              f"{s.param_dtype} params, {cfg.parallel.reduce_dtype} reduce | "
+             f"optimizer {OPTIMIZER['name']}, {OPTIMIZER['state_dtype']} state | "
              f"reshard {s.reshard}{f' + last {s.keep_gathered} blocks kept' if s.keep_gathered else ''}"
              f"{' | cpu offload' if s.offload else ''}"
              f"{' | deferred grad sync' if s.defer else ''}")
@@ -759,7 +763,7 @@ def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:
         "grads": where or (f"{shards / GiB:.2f} GiB once backward ends; zero_grad frees them each step"
                            if s.accum == 1 else "reduced once, after the last micro-batch" if s.defer
                            else "kept across micro-batches"),
-        "optimizer": where or "2 x the parameter shards",
+        "optimizer": where or f"{OPTIMIZER['state_bytes_per_param']} bytes a parameter / dp_shard {s.shard}",
         "kept": f"reshard_after_forward={s.reshard}: " + (", ".join(g.name for g in kept[:3]) or "none")
         + (f" +{len(kept) - 3} more" if len(kept) > 3 else ""),
         "comm": f"{s.param_dtype} gathers and grads, {cfg.parallel.reduce_dtype} reduce-scatter input",
