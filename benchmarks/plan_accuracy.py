@@ -219,7 +219,8 @@ def main() -> None:
     fitted = fitted_rows() if args.heldout else []
     if args.heldout:
         seen = {configuration(*recorded_run(r["command"])) for r in fitted} - {None}
-        again = [name for gpus, name, config, flags in rows if configuration(gpus, ["--config", config, *flags]) in seen]
+        again = [name for gpus, name, config, flags in rows
+                 if configuration(gpus, ["--config", config, *flags]) in seen]
         if again:
             raise SystemExit(f"not held out: {', '.join(again)} (a recorded result holds the same configuration)")
     skipped = [name for gpus, name, _, _ in rows if gpus > available]

@@ -834,6 +834,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.mark.slow  # a subprocess: the CLI as a user runs it
 def test_cli_json_and_exit_status():
     done = _cli("--model.name", "8b", "--train.seq_len", "8192", "--train.micro_batch_size", "1",
                 "--gpus", "8", "--gpu-memory", "47.4GiB", "--json")
@@ -845,6 +846,7 @@ def test_cli_json_and_exit_status():
     assert result["total_bytes"] == sum(r["bytes"] for r in result["rows"])
 
 
+@pytest.mark.slow  # a subprocess: the CLI as a user runs it
 def test_cli_bad_gpu_memory_is_a_clear_error():
     done = _cli("--gpus", "8", "--gpu-memory", "80")
     assert done.returncode == 2 and "--gpu-memory '80'" in done.stderr and "80GiB" in done.stderr
@@ -910,7 +912,8 @@ def test_cli_without_gpus_says_once_what_it_assumed(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("device_name,memory_gib,card", [
-    ("NVIDIA H100 80GB HBM3", 79.2, "h100-sxm"), ("NVIDIA H100 PCIe", 79.2, "h100-pcie"), ("NVIDIA H200", 139.8, "h200"),
+    ("NVIDIA H100 80GB HBM3", 79.2, "h100-sxm"), ("NVIDIA H100 PCIe", 79.2, "h100-pcie"),
+    ("NVIDIA H200", 139.8, "h200"),
     ("NVIDIA A100-SXM4-40GB", 39.4, "a100-40gb"), ("NVIDIA A100-SXM4-80GB", 79.1, "a100-80gb"),
     ("NVIDIA RTX A6000", 47.5, "a6000"), ("NVIDIA L40S", 44.5, "l40s"), ("NVIDIA RTX A4000", 15.7, "generic"),
 ])

@@ -626,8 +626,8 @@ class Plan:
         return line
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "optimizer": OPTIMIZER, "fits": self.fits, "verdict": self.verdict, "error_band": ERROR_BAND,
-                "band_bytes": self.band_bytes, "headroom_bytes": self.headroom_bytes}
+        return {**dataclasses.asdict(self), "optimizer": OPTIMIZER, "fits": self.fits, "verdict": self.verdict,
+                "error_band": ERROR_BAND, "band_bytes": self.band_bytes, "headroom_bytes": self.headroom_bytes}
 
     def render(self) -> str:
         lines = [self.setup, f"GPU {self.gpu.describe()}", *([self.assumed] if self.assumed else []),
@@ -1052,7 +1052,8 @@ def _hsdp_option(cfg: Config, result: Plan) -> Optional[Suggestion]:
     nodes = result.gpus // result.gpus_per_node
     if result.dp_replicate > 1 or nodes < 2 or result.gpus % result.gpus_per_node:
         return None
-    on_top = {} if result.verdict == "fits" else next((s.change for s in result.suggestions if "gpus" not in s.change), None)
+    on_top = {} if result.verdict == "fits" else next(
+        (s.change for s in result.suggestions if "gpus" not in s.change), None)
     if on_top is None:
         return None
     change = {**on_top, "parallel.dp_replicate": nodes, "parallel.dp_shard": result.gpus_per_node}
