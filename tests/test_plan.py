@@ -960,6 +960,9 @@ def test_cpu_offload_copies_over_the_card_s_pcie_link_and_steps_at_the_host_s_ba
 def test_cli_plans_for_a_named_card_and_records_it_in_the_json(capsys):
     code, out, _ = _plan_cli(capsys, "--gpu", "a6000", "--gpus", "8", "--json")
     card = json.loads(out)["gpu"]
+    assert json.loads(out)["host_bandwidth"] == 115e9  # an H200 host's, where no measurement is given
+    host = _plan_cli(capsys, "--gpu", "a6000", "--gpus", "8", "--host-bandwidth-gbs", "50", "--json")[1]
+    assert json.loads(host)["host_bandwidth"] == 50e9
     assert card["name"] == "a6000" and card["link"] == "PCIe 4" and card["bus_bw"] == 12e9
     assert json.loads(out)["capacity_bytes"] == card["memory_bytes"] == int(47.5 * GiB)
     smaller = json.loads(_plan_cli(capsys, "--gpu", "a6000", "--gpu-memory", "47.4GiB", "--gpus", "8", "--json")[1])

@@ -93,7 +93,7 @@ INTER_NODE_BUS_BW = 40e9
 HOST_ADAMW_BW = 115e9
 """Bytes/s of host memory that one node's ranks stream together through the fused CPU AdamW under CPU offload, each on
 its share of the cores (parallel.offload_threads=0), as measured on an H200 host: memory bandwidth, not cores, is the
-limit. --host-bandwidth gives another host's (benchmarks/host_adamw.py measures it)."""
+limit. --host-bandwidth-gbs gives another host's (benchmarks/host_adamw.py measures it)."""
 GATHER_COPY_SECONDS_PER_BYTE = 1.3e-3 / GiB
 """Compute-stream time of FSDP2's copies per all-gathered byte, on gpus.REFERENCE (benchmarks/README.md, keeping
 blocks gathered)."""
