@@ -32,6 +32,8 @@
 #                (CHECKPOINT_MODES overrides the modes, CHECKPOINT_CHECKSUMS="on off" compares checksums on and off;
 #                the disk needs room for one 12 bytes/param checkpoint)
 #   plan         the memory planner against measured peaks over a 1B/8B matrix on 1, 2 and 4 GPUs (those present)
+#   heldout      the memory planner on 16 configurations none of its constants was fitted to, on one GPU, 3 steps
+#                each: plan_heldout.json, one table of the fitted and held-out rows and the error band they set
 #   capped       the 8.5B model that OOMs under DDP on 47.4 GiB cards: its plan, then training it uncapped and
 #                capped at 47.4 GiB (same speed and no allocator retries when the plan's "fits" holds)
 # Tables go to stdout; JSON (and PNG) to benchmarks/results/<date>-<gpu>x<count>/. With BENCH_RESULTS_DIR=DIR they go to
@@ -44,7 +46,7 @@ trap 'failed+=("${PART:-setup} (line $LINENO)")' ERR
 NGPU=${1:?usage: gpu_check.sh NGPU PART [PART ...]}
 shift
 [ $# -gt 0 ] || { echo "usage: gpu_check.sh NGPU PART [PART ...]"; exit 2; }
-PARTS="tests collectives small 8b levers keep card pool autotune copy_engines clocks profile checkpoint plan capped"
+PARTS="tests collectives small 8b levers keep card pool autotune copy_engines clocks profile checkpoint plan heldout capped"
 for part in "$@"; do  # all before any: a typo in the last part must not wait for the GPU time of the others
   [[ " $PARTS " == *" $part "* ]] || { echo "unknown part: $part (the parts: $PARTS)"; exit 2; }
 done
@@ -185,6 +187,8 @@ PY
         --modes "${modes[@]}" --checksums "${checksums[@]}" -- --parallel.no_compile --checkpoint.no_save_final ;;
     plan)
       python3 benchmarks/plan_accuracy.py ;;
+    heldout)
+      python3 benchmarks/plan_accuracy.py --heldout ;;
     capped)
       python3 -m fsdp_trainer.tools.plan --config configs/llama3_8b.toml --model.n_layers 34 --ac.mode full \
         --gpus 8 --gpu-memory 47.4GiB

@@ -80,16 +80,16 @@ def header(meta: dict) -> str:
 
 
 def write_results(name: str, rows: list[dict], *, gpus: int, plot: Optional[tuple[str, str]] = None,
-                  label: str = "variant") -> Path:
-    """<name>.json in result_dir(gpus): the rows, the machine, the commit, and this process's command after the
-    environment settings that change results, so that pasting it reruns the measurement. A bar chart of
-    `plot=(key, title)` beside it if matplotlib is installed.
+                  label: str = "variant", summary: Optional[dict] = None) -> Path:
+    """<name>.json in result_dir(gpus): the rows (after a `summary` of them, if given), the machine, the commit, and
+    this process's command after the environment settings that change results, so that pasting it reruns the
+    measurement. A bar chart of `plot=(key, title)` beside it if matplotlib is installed.
 
     Scripts call it after every row: a sweep that is cut off (a job's time limit, a crash) keeps what it measured."""
     meta = metadata(gpus, [sys.executable, *sys.argv])
     folder = result_dir(gpus)
     path = folder / f"{name}.json"
-    path.write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    path.write_text(json.dumps({**meta, **({"summary": summary} if summary else {}), "rows": rows}, indent=2) + "\n")
     print(f"wrote {path}")
     if plot:
         try:

@@ -24,9 +24,9 @@ PEAK_FLOPS = [("GH200", 989e12), ("H200 NVL", 835e12), ("H200", 989e12), ("H100 
 GiB = 1024 ** 3
 
 
-def peak_flops(device: torch.device) -> Optional[float]:
-    """Peak FLOP/s of this GPU, or None (CPU, unknown GPU): MFU is then not shown."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+def peak_flops(device: torch.device | str) -> Optional[float]:
+    """Peak FLOP/s of this GPU, or of the one CUDA names so; None on CPU or an unknown GPU: MFU is then not shown."""
+    name = device if isinstance(device, str) else torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return next((flops for key, flops in PEAK_FLOPS if re.search(rf"\b{re.escape(key)}\b", name)), None)
 
 

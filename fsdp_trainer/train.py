@@ -49,6 +49,7 @@ from fsdp_trainer.optim import (NonFiniteError, NonFiniteGuard, build_optimizer,
 from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile, apply_fsdp, init_weights
 # The tools this entry point wires in; no other core module imports them.
 from fsdp_trainer.tools.faults import RESTORING, Watchdog, describe_oom, enable_flight_recorder, requested_bytes
+from fsdp_trainer.tools.gpus import this_gpu
 from fsdp_trainer.tools.model_checks import check_own_model
 from fsdp_trainer.tools.plan import Plan, check_fits, remedy_after_oom
 from fsdp_trainer.tools.profiling import OPTIMIZER_RANGE, StepProfiler
@@ -404,13 +405,13 @@ def fits_or_exit(cfg: Config, world_size: int, rank: int, own_model: bool = Fals
     # Planned as it will run here: the planner alone cannot know this host's NCCL and environment.
     planned = copy.deepcopy(cfg)
     planned.parallel.copy_engine_all_gather = copy_engines_all_gather(cfg, world_size)
-    memory_plan = check_fits(planned, world_size, torch.cuda.get_device_properties(local_rank).total_memory)
+    memory_plan = check_fits(planned, world_size, this_gpu(local_rank))
     if not memory_plan.fits and not cfg.memory.ignore_plan:
         raise ConfigError(f"{memory_plan.summary_line()}. Apply a suggested change, or "
                           "pass --memory.ignore_plan to start anyway. Details: python -m fsdp_trainer.tools.plan "
                           "with the same flags")
-    if rank == 0:
-        print(memory_plan.summary_line(), file=sys.stderr)
+    if rank == 0:  # marginal: the headroom is inside the plan's error, a warning that names the change leaving it
+        print(("warning: " if memory_plan.verdict == "marginal" else "") + memory_plan.summary_line(), file=sys.stderr)
     return memory_plan
 
 

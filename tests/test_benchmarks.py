@@ -124,6 +124,70 @@ def test_plan_accuracy_runs_each_row_through_the_throughput_runner(monkeypatch, 
     assert "tokens_per_s_per_gpu" not in data["rows"][0] and "forward_backward_ms" not in data["rows"][0]
 
 
+def _recorded(gpus: int, *flags: str) -> str:
+    return shlex.join(["python3", "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", "-m",
+                       "fsdp_trainer.train", "--config", "configs/llama3_8b.toml", "--train.steps", "3",
+                       "--train.output_dir", "/tmp/x", *flags])
+
+
+@pytest.mark.slow  # write_results asks git for the commit
+def test_plan_accuracy_held_out_table_marks_fitted_and_held_out_rows_and_the_band_they_set(monkeypatch, tmp_path,
+                                                                                           capsys):
+    """--heldout runs its rows on one GPU, 3 steps each, and writes one table: the recorded configurations (fitted)
+    and its own (held-out), with both errors, each set's worst, and the band the held-out rows set: their worst error
+    either way, rounded up to half a percent."""
+    import plan_accuracy
+    import results
+
+    fitted = {"set": "fitted", "name": "recorded", "gpu": "NVIDIA H200", "gpus": 4, "command": _recorded(4),
+              "planned_peak_gib": 9.7, "measured_peak_gib": 10.0, "peak_error_pct": -3.0}
+    measured = {"a": (10.0, 10.0, 11.0, 11.0), "b": (10.3, 10.0, 11.0, 11.47)}  # planned, measured peak; reserved
+
+    def fake_run_variant(name, env, flags, args, workdir):
+        assert (args.steps, args.nproc) == (3, 1)
+        keys = ("planned_peak_gib", "measured_peak_gib", "planned_reserved_gib", "mem_reserved_gib")
+        return {"variant": name, "command": _recorded(1, *flags), **dict(zip(keys, measured[name]))}
+
+    monkeypatch.setattr(plan_accuracy, "fitted_rows", lambda: [fitted])
+    monkeypatch.setattr(plan_accuracy, "HELD_OUT", ["1 a=configs/debug.toml --ac.mode op",
+                                                    "1 b=configs/debug.toml --ac.mode full"])
+    monkeypatch.setattr(plan_accuracy, "run_variant", fake_run_variant)
+    monkeypatch.setattr(plan_accuracy.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(plan_accuracy.torch.cuda, "get_device_name", lambda index=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["plan_accuracy.py", "--heldout"])
+    plan_accuracy.main()
+    data = json.loads(next(tmp_path.glob("*/plan_heldout.json")).read_text())
+    assert [(r["set"], r["name"]) for r in data["rows"]] == [("fitted", "recorded"), ("held-out", "a"),
+                                                             ("held-out", "b")]
+    b = data["rows"][2]
+    assert b["gpu"] == "NVIDIA H100 80GB HBM3" and b["peak_error_pct"] == pytest.approx(3.0)
+    assert b["reserved_error_pct"] == pytest.approx(100 * (11 / 11.47 - 1))  # -4.1%: a band of 4.5%, not 4%
+    worst = data["summary"]["worst"]
+    assert worst["held-out reserved"]["name"] == "b" and worst["fitted peak"]["error_pct"] == -3.0
+    assert data["summary"]["error_band"] == 0.045
+    out = capsys.readouterr().out
+    assert "worst held-out peak error over 2 configurations: +3.0% (b, NVIDIA H100 80GB HBM3)" in out
+    assert "error band the held-out rows set: ±4.5%" in out
+
+
+def test_plan_accuracy_refuses_a_held_out_row_a_recorded_result_holds(monkeypatch, capsys):
+    """Spelled differently (the 8B config's own ac.mode op left out, flags in another order), still the run a
+    recorded result measured: not held out, refused before any run."""
+    import plan_accuracy
+
+    recorded = {"set": "fitted", "name": "seen", "gpu": "NVIDIA H200", "gpus": 1,
+                "command": _recorded(1, "--ac.mode", "op", "--model.n_layers", "4", "--parallel.no_compile")}
+    monkeypatch.setattr(plan_accuracy, "fitted_rows", lambda: [recorded])
+    monkeypatch.setattr(plan_accuracy, "HELD_OUT", [
+        "1 new=configs/llama3_8b.toml --model.n_layers 4 --ac.mode full --parallel.no_compile",
+        "1 again=configs/llama3_8b.toml --parallel.no_compile --model.n_layers 4"])
+    monkeypatch.setattr(plan_accuracy, "run_variant", lambda *args: pytest.fail("ran"))
+    monkeypatch.setattr(sys, "argv", ["plan_accuracy.py", "--heldout"])
+    with pytest.raises(SystemExit, match=r"^not held out: again \(a recorded result holds the same configuration\)$"):
+        plan_accuracy.main()
+
+
 @pytest.mark.slow
 def test_write_results_records_the_run_gpus_environment_commit_and_a_command_that_reruns_it(monkeypatch, tmp_path):
     import results

@@ -411,6 +411,7 @@ def test_a_run_the_plan_rejects_is_refused_on_every_node_before_the_process_grou
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=24 * 10**9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA L4")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("group started"))
     with pytest.raises(SystemExit) as exit_info:

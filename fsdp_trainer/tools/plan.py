@@ -1,19 +1,21 @@
 """Memory planner: know before launching whether a run fits on its GPUs, and what to change if it does not.
 
     # the same flags as training, plus the GPUs to plan for:
-    python -m fsdp_trainer.tools.plan --config configs/llama3_8b.toml --gpus 8 --gpu-memory 80GiB
-    python -m fsdp_trainer.tools.plan --config configs/llama3_8b.toml --gpus 8 --gpu-memory 47.4GiB --ac.mode full
+    python -m fsdp_trainer.tools.plan --config configs/llama3_8b.toml --gpus 8 --gpu h100-sxm
+    python -m fsdp_trainer.tools.plan --config configs/llama3_8b.toml --gpus 8 --gpu a6000 --ac.mode full
     python -m fsdp_trainer.tools.plan --config configs/llama3_8b.toml --gpus 16 --gpu-memory 80GB --json
 
-Exit status: 0 fits (the output lists faster settings that fit too), 1 does not fit (the output lists changes that
-would), 2 bad arguments. Without --gpus or --gpu-memory the planner uses this machine's GPUs, or assumes 8 x 80 GiB
+The verdict is "fits", "marginal" (the headroom is inside the plan's error band, ERROR_BAND: the output lists the
+changes that leave it) or "does not fit" (the changes that would). Exit status: 0 fits or marginal, 1 does not fit,
+2 bad arguments. Without --gpus, --gpu or --gpu-memory the planner uses this machine's GPUs, or assumes 8 x 80 GiB
 (and says so) where it has none. param_dtype 'auto' is resolved as the trainer resolves it on this machine's GPU
-(float16 before Ampere); with --gpu-memory, or no GPU, it is planned as bfloat16, and the plan says so.
+(float16 before Ampere); for another card, or no GPU, it is planned as bfloat16, and the plan says so.
 
 From the trainer, before anything is allocated:
 
-    plan = check_fits(cfg, world_size, torch.cuda.get_device_properties(device).total_memory)
-    print(plan.summary_line())            # rank 0; if not plan.fits: stop unless cfg.memory.ignore_plan
+    plan = check_fits(cfg, world_size, gpus.this_gpu(device))
+    print(plan.summary_line())            # rank 0; if not plan.fits: stop unless cfg.memory.ignore_plan;
+                                          # marginal: a warning naming the change that leaves the band
     ...after a few steps: plan.predicted_peak_bytes vs torch.cuda.max_memory_allocated()
 
 The model of memory, per GPU, in the steady state (step 2 on, once AdamW's state exists):
@@ -38,27 +40,11 @@ The model of memory, per GPU, in the steady state (step 2 on, once AdamW's state
     also allocates the sharded gradients on its reduce-scatter stream (parallel.grads_in_compute_pool off or not
     applicable), what zero_grad frees stays reserved for the next gradients, out of the activations' reach: the
     compute stream's moments then exclude the gradients, and every sharded gradient is added. Below the reserved
-    figure, a capped allocator runs but empties its cache and retries, stalling the GPU, each step (8B, no AC, 4
-    H200s, gradients apart: 74.1 GiB reserved uncapped; capped at 71 GiB, 45% slower). Last, NCCL/cuBLAS workspaces
-    and the CUDA context, outside the allocator.
+    figure, a capped allocator runs but empties its cache and retries, stalling the GPU, each step. Last, NCCL/cuBLAS
+    workspaces and the CUDA context, outside the allocator.
     Every constant below is an assumption, stated where it is defined.
-The allocator peak was checked against torch.cuda.max_memory_allocated() on one and two H200s (torch 2.11, cuDNN
-attention, fused RMSNorm) for AC none/op/selective/full, grad accumulation, deferred sync and reshard never, tied and
-untied: within 0.4% each, and on four H200s for the full 8B and 8.5B models with AC op and full (tests/test_plan.py
-keeps those numbers). Compiled blocks without AC keep no SiLU output, as Inductor recomputes it, and compiled per-op
-AC blocks keep no w2 output, which no backward reads (each within 0.2% of the 8B peaks on two and four H200s); the
-compiled loss holds the logits and their param_dtype gradient, no float32 buffers (`fsdp_trainer.loss`). The
-chunked loss and two-block prefetch were checked on two H200s (within 2%). The reserved estimate was checked against
-torch.cuda.max_memory_reserved() of the full 8B on four H200s, compiled and eager, AC none/op/full, micro-batch 1
-and 2, reshard never and keep_gathered, and the 8.5B with full AC: -1% to +4% with the gradients apart or in the
-compute pool and FSDP2's all-gather; with the copy engines' all-gather (eager and compiled per-op AC, full and no
-AC, micro-batch 2), -0.9% to +4.0%. CPU offload was checked on one H100, eager: the 8B shape cut to 4 layers without
-AC and with full AC, and the 1B without AC at micro-batch 2, within 0.4% each (the peak is at the loss's backward,
-where no shard is being copied in from the host: FSDP2 copies a parameter's float32 shard to the GPU inside a group's all-gather,
-casts it to param_dtype and frees it before the all-gather output exists, and no moment planned is inside an
-all-gather); their reserved memory within +2.0%, +0.3% and -4.5%, after memory snapshots showed the two stream
-terms above. Not checked on GPUs: HSDP, float16, and the reduce-scatter output's block that the reduce-scatter
-stream keeps when accumulating with a reduce-scatter per micro-batch (counted from torch's source).
+The constants of this model are fixed: its accuracy is measured on runs none of them was fitted to
+(benchmarks/plan_accuracy.py --heldout), and the worst error found there is its error band, ERROR_BAND.
 """
 
 from __future__ import annotations
@@ -82,6 +68,7 @@ from fsdp_trainer.config import (Config, ConfigError, grads_in_compute_pool, mes
 from fsdp_trainer.metrics import GiB
 from fsdp_trainer.models.llama import ModelArgs, build, model_args_from_config
 from fsdp_trainer.parallelize import block_ac_modes
+from fsdp_trainer.tools.gpus import GPU, GPUS, REFERENCE, generic, this_gpu
 
 # -- assumptions ---------------------------------------------------------------------------------------------------
 GPUS_PER_NODE = 8
@@ -91,58 +78,49 @@ DEFAULT_GPUS, DEFAULT_GPU_MEMORY = 8, 80 * GiB
 CUDA_CONTEXT_BYTES = 1 * GiB
 """CUDA context and PyTorch's lazily loaded kernels, outside the allocator: 0.5-1 GiB per process on H100-class GPUs."""
 WORKSPACE_BYTES = 3 * GiB // 4
-"""NCCL communicator buffers (outside the allocator; they grow with peers) and cuBLAS workspaces. On H200s with torch
-2.11, 1.29 GiB was used outside the allocator with one rank and 1.57 GiB with two, context included."""
+"""NCCL communicator buffers (outside the allocator; they grow with peers) and cuBLAS workspaces."""
 FRAGMENTATION = 0.05
 """Fragmentation of the compute stream's memory: reserved beyond what it has allocated at its peak."""
 FRAGMENTATION_AMONG_GRADS = 0.085
 """The same where that peak is the end of backward and the sharded gradients share the compute stream's pool: they
-are allocated block by block between the activations that backward frees. Measured with full AC on 4 H200s: 8.5% for
-the 8B (3.0 GiB over 35.2 allocated) and 8.3% for the 8.5B, against 5% with the gradients apart."""
+are allocated block by block between the activations that backward frees."""
 
-# The throughput model only ranks suggestions by their rough cost; these set the compute/communication balance.
-ACHIEVED_FLOPS = 400e12
-"""bf16 FLOP/s a training step sustains on an H100 (~40% MFU of 989 TFLOP/s)."""
-INTRA_NODE_BUS_BW = 350e9
-"""NCCL bus bandwidth among the GPUs of one node over NVLink (DESIGN.md: 340-353 GB/s all-reduce on 4 x H200)."""
+# The throughput model only ranks suggestions by their rough cost; these and the card's profile (tools/gpus.py) set
+# the compute/communication balance.
+ACHIEVED_MFU = 0.4
+"""Share of the card's dense bf16 peak a training step sustains (400 of an H100's 989 TFLOP/s)."""
 INTER_NODE_BUS_BW = 40e9
 """Per GPU across nodes: 400 Gb/s InfiniBand per GPU at ~80%."""
-PCIE_BW = 25e9
-"""Host <-> GPU copies of pinned memory (PCIe 5 x16 achieved), for CPU offload."""
 HOST_ADAMW_BW = 115e9
 """Bytes/s of host memory that one node's ranks stream together through the fused CPU AdamW under CPU offload, each on
-its share of the cores (parallel.offload_threads=0): on the 16-core host of a 1 x H200 machine, one rank on 16
-threads 118.7 GB/s, two on 8 each 108.3, four on 4 each 114.7, where one thread alone streams 20
-(benchmarks/results/2026-11-29-H200x1/host_adamw.json). Memory bandwidth, not cores, is then the limit."""
+its share of the cores (parallel.offload_threads=0), as measured on an H200 host: memory bandwidth, not cores, is the
+limit. --host-bandwidth-gbs gives another host's (benchmarks/host_adamw.py measures it)."""
 GATHER_COPY_SECONDS_PER_BYTE = 1.3e-3 / GiB
-"""Compute-stream time of FSDP2's copies per all-gathered byte: 32 fewer re-gathers of the 8B's blocks (13.6 GiB
-per step) made a 4 x H200 step 18 ms shorter (benchmarks/README.md, keeping blocks gathered)."""
+"""Compute-stream time of FSDP2's copies per all-gathered byte, on gpus.REFERENCE (benchmarks/README.md, keeping
+blocks gathered)."""
 NCCL_ALL_GATHER_SECONDS_PER_BYTE = 0.62e-3 / GiB
 """Compute time NCCL's all-gather kernels take from the step, per all-gathered byte, where the copy engines do not
-run the all-gathers (parallel.copy_engine_all_gather): the 8B's forward+backward on 4 x H200 took 17-19 ms longer
-with FSDP2's all-gather, 28.9 GiB gathered per step, in every AC mode at micro-batch 1 (9 ms at micro-batch 2;
-benchmarks/README.md)."""
+run the all-gathers (parallel.copy_engine_all_gather), on gpus.REFERENCE (benchmarks/README.md)."""
 OP_AC_RECOMPUTE = {"compiled": 0.01, "eager": 0.028}
 """Per-op AC recomputes only elementwise work (norms, RoPE, SiLU), no matmuls; Inductor fuses it into neighbouring
-kernels, eager runs each op on its own. Extra time per token against no AC, 8B on 4 H200s
-(benchmarks/results/2026-11-26-H200x4/): compiled 0.7-1.1% in seven sweeps (llama3_8b.json: 9,662 against 9,733
-tokens/s/GPU; _eager_noac_sweep, _clipped, _after_review, _grads_pool, _levers, _earlier_machine), 0.1-0.9% on one
-GPU (llama3_8b_8layers.json); eager 2.8% (llama3_8b_eager_noac.json: 8,920 against 9,168, on one machine)."""
+kernels, eager runs each op on its own. Extra time per token against no AC, for the 8B
+(benchmarks/results/2026-11-26-H200x4/llama3_8b*.json)."""
 FORWARD_TIME_PER_FLOP = 0.62
 """A block's forward takes this share of the time its FLOPs would take at the step's average rate, as backward's
-kernels (attention's above all) run slower per FLOP than forward's. Full AC, which runs every forward again, took
-20.3-20.9% more time per token than no AC, compiled, for the 8B on 4 H200s in six sweeps (llama3_8b.json: 7,940
-against 9,567 tokens/s/GPU in _eager_noac_sweep), where the forward is 31.5% of the FLOPs; and 14.6-15.4% for its
-8-block cut on one H100 or H200 (llama3_8b_8layers.json), where it is 27.1%."""
+kernels (attention's above all) run slower per FLOP than forward's: from full AC's cost against no AC, for the 8B
+and its 8-block cut (benchmarks/results/2026-11-26-H200x4/llama3_8b.json, */llama3_8b_8layers.json)."""
 SAME_SPEED = 0.005
 """Changes in time per token smaller than this read as "~same speed", and are not offered to a run that fits."""
-OPTION_MARGIN = 0.02
-"""Share of the GPU every suggested setting must leave free: a change that makes a run fit, more GPUs, and a faster
-option offered to a run that fits. The reserved estimate ran up to 1.2% below the measured (8B, full AC, 4 H200s;
-tests/test_plan.py), and a run capped below its reserved memory stalls on allocator retries (45% slower, above): a
-suggestion that fits only to the last percent may be one of those. The verdict on the run as given has no margin."""
+ERROR_BAND = 0.025
+"""The plan's error either way, as a share of its predicted total. Provisional: the error on the runs its constants
+were fitted to, until the held-out table (benchmarks/plan_accuracy.py --heldout) replaces it with its worst error
+(tests/test_plan.py holds the two equal). A run whose headroom is inside the band is marginal, and every suggested
+setting must leave the band: a run capped below its reserved memory stalls on allocator retries."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+OPTIMIZER = {"name": "AdamW", "state": "exp_avg + exp_avg_sq", "state_dtype": "float32", "state_bytes_per_param": 8}
+"""What optim.build_optimizer runs, as the plan counts it: two moments per parameter in the float32 of the sharded
+parameters they update (an 8-bit Adam would hold 2 bytes a parameter, not 8)."""
 
 
 # -- what the model is made of ---------------------------------------------------------------------------------------
@@ -249,9 +227,8 @@ def op_ac_saved_bytes(args: ModelArgs, tokens: int, pbytes: int) -> dict[str, in
 def block_bytes_by_mode(args: ModelArgs, tokens: int, pbytes: int, compiled: bool = False) -> dict[str, int]:
     """Bytes one block keeps from its forward to its backward, for each way it can be run. Compiled, Inductor's
     partitioner keeps only what the backward reads. A block without AC then keeps no SiLU output: SiLU is fused
-    into its product and recomputed in backward (8B, no AC, 4 H200s: 71.40 GiB measured, 71.27 planned so, 78.27
-    as eager). A per-op AC block keeps no w2 output, which eager SAC saves only because it is a matmul's (8B on 2
-    H200s: exactly 2.00 GiB, 32 x 8192 x 4096 x 2 bytes, below eager)."""
+    into its product and recomputed in backward. A per-op AC block keeps no w2 output, which eager SAC saves only
+    because it is a matmul's."""
     none = sum(block_saved_bytes(args, tokens, pbytes).values())
     op = op_ac_saved_bytes(args, tokens, pbytes)
     return {"none": none - (pbytes * tokens * args.ffn_hidden_dim if compiled else 0),
@@ -280,6 +257,8 @@ class _Setup:
     groups: tuple[Group, ...]
     gpus: int
     gpus_per_node: int
+    gpu: GPU
+    host_bw: float  # bytes/s of host memory one node's ranks stream through host AdamW under CPU offload
     replicate: int
     shard: int
     param_dtype: str
@@ -322,13 +301,14 @@ class _Setup:
         return self.pbytes * group.gathered_numel(self.shard)
 
 
-def _setup(cfg: Config, gpus: int, gpus_per_node: int) -> _Setup:
+def _setup(cfg: Config, gpus: int, gpus_per_node: int, gpu: GPU = REFERENCE,
+           host_bw: float = HOST_ADAMW_BW) -> _Setup:
     args = model_args_from_config(cfg.model)
     replicate, shard = mesh_shape(cfg.parallel, gpus)
     p = cfg.parallel
     # 'auto' left unresolved is planned as Ampere and newer GPUs run it; the plan notes it (`_estimate`).
     param_dtype = "bfloat16" if p.param_dtype == "auto" else p.param_dtype
-    return _Setup(args, fsdp_groups(args), gpus, gpus_per_node, replicate, shard, param_dtype,
+    return _Setup(args, fsdp_groups(args), gpus, gpus_per_node, gpu, host_bw, replicate, shard, param_dtype,
                   DTYPE_BYTES[p.reduce_dtype], cfg.train.seq_len, cfg.train.micro_batch_size,
                   cfg.train.grad_accum_steps, cfg.ac.mode, cfg.ac.every, p.reshard_after_forward, p.keep_gathered,
                   p.cpu_offload, p.defer_grad_sync and cfg.train.grad_accum_steps > 1, cfg.train.loss_chunk_tokens,
@@ -453,7 +433,7 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
 ROW_LABELS = {
     "params": "parameters, float32 shards",
     "grads": "gradients, float32 shards",
-    "optimizer": "AdamW exp_avg + exp_avg_sq, float32 shards",
+    "optimizer": f"{OPTIMIZER['name']} {OPTIMIZER['state']}, {OPTIMIZER['state_dtype']} shards",
     "kept": "gathered params kept after forward",
     "comm": "all-gather / reduce-scatter buffers in flight",
     "deferred": "unsharded grads held for deferred sync",
@@ -476,30 +456,42 @@ def _recompute_fraction(s: _Setup) -> float:
     return FORWARD_TIME_PER_FLOP * flops_share
 
 
-def _step_seconds(s: _Setup) -> float:
-    """Rough time of one optimizer step: FSDP overlaps collectives with compute, so the slower sets the pace, and
-    copies every gathered group out on the compute stream; CPU offload's copies and host AdamW are added in full."""
-    compute = s.accum * s.tokens * s.args.flops_per_token(s.seq) * (1 + _recompute_fraction(s)) / ACHIEVED_FLOPS
+def step_parts(s: _Setup) -> dict[str, float]:
+    """Seconds of one optimizer step on s.gpu, by part, from a rough model. FSDP overlaps collectives with compute,
+    so the slower of the two sets the pace (`_step_seconds`); FSDP2 copies every gathered group out on the compute
+    stream, and CPU offload's copies and host AdamW come on top."""
+    flops = s.accum * s.tokens * s.args.flops_per_token(s.seq) * (1 + _recompute_fraction(s))
+    compute = flops / (ACHIEVED_MFU * s.gpu.bf16_flops)
     numel = s.gathered_numel()
     resharded = numel - s.gathered_numel(kept_after_forward(s.groups, s.reshard, s.keep_gathered))
     reduces = 1 if s.defer else s.accum
     # Each micro-batch gathers every group for forward and the resharded ones again for backward.
     gathered = s.accum * s.pbytes * (numel + resharded)
     shard_bytes = gathered + reduces * s.rbytes * numel
-    shard_bw = INTRA_NODE_BUS_BW if s.shard <= s.gpus_per_node else INTER_NODE_BUS_BW
+    across_nodes = min(s.gpu.bus_bw, INTER_NODE_BUS_BW)  # a ring through both links runs at the slower
+    shard_bw = s.gpu.bus_bw if s.shard <= s.gpus_per_node else across_nodes
     comm = shard_bytes * (s.shard - 1) / s.shard / shard_bw
     if s.replicate > 1:  # HSDP all-reduces the sharded gradients across replicas
-        replica_bw = INTER_NODE_BUS_BW if s.gpus > s.gpus_per_node else INTRA_NODE_BUS_BW
+        replica_bw = across_nodes if s.gpus > s.gpus_per_node else s.gpu.bus_bw
         comm += reduces * 2 * s.rbytes * numel / s.shard * (s.replicate - 1) / s.replicate / replica_bw
-    offload = 0.0
+    # The copies and NCCL's kernels are memory-bound work on the GPU, measured on the reference card.
+    per_byte = GATHER_COPY_SECONDS_PER_BYTE + (
+        0.0 if s.symmetric_all_gather or s.shard == 1 else NCCL_ALL_GATHER_SECONDS_PER_BYTE)
+    parts = {"compute": compute, "communication": comm,
+             "gather copies": gathered * per_byte * REFERENCE.memory_bw / s.gpu.memory_bw}
     if s.offload:
         shard = s.shard_numel()
         copies = 4 * shard * (s.accum * (numel + resharded) / numel + reduces)  # float32 shards in, gradients out
+        parts["host copies"] = copies / s.gpu.host_bw
         # AdamW reads parameter, gradient and both moments and writes back three of them: 28 bytes per element, for
         # every rank of the node at once.
-        offload = copies / PCIE_BW + 28 * shard * s.ranks_per_node / HOST_ADAMW_BW
-    kernels = 0.0 if s.symmetric_all_gather or s.shard == 1 else gathered * NCCL_ALL_GATHER_SECONDS_PER_BYTE
-    return max(compute, comm) + gathered * GATHER_COPY_SECONDS_PER_BYTE + kernels + offload
+        parts["host AdamW"] = 28 * shard * s.ranks_per_node / s.host_bw
+    return parts
+
+
+def _step_seconds(parts: dict[str, float]) -> float:
+    return max(parts["compute"], parts["communication"]) + sum(
+        t for name, t in parts.items() if name not in ("compute", "communication"))
 
 
 def _host_bytes_per_node(s: _Setup) -> int:
@@ -568,6 +560,10 @@ class Plan:
     dp_shard: int
     capacity_bytes: int
     capacity_source: str
+    gpu: GPU
+    """The card planned for: its memory, compute and links, which the time model reads."""
+    host_bandwidth: float
+    """Bytes/s of host memory one node's ranks stream through host AdamW under CPU offload."""
     rows: list[Row]
     """Per-GPU bytes at the peak moment, margins last."""
     peak_moment: str
@@ -585,6 +581,8 @@ class Plan:
     """Host RAM per node for async checkpoint staging."""
     step_seconds: float
     """Rough model of one optimizer step, for comparing suggestions; not a benchmark."""
+    step_parts: dict[str, float]
+    """step_seconds by part (`step_parts`): compute and communication overlap, the others add."""
     suggestions: list[Suggestion] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     assumed: str = ""
@@ -598,25 +596,43 @@ class Plan:
     def headroom_bytes(self) -> int:
         return self.capacity_bytes - self.total_bytes
 
+    @property
+    def band_bytes(self) -> int:
+        """The plan's error band, ERROR_BAND of its total."""
+        return int(ERROR_BAND * self.total_bytes)
+
+    @property
+    def verdict(self) -> str:
+        """'fits', 'marginal' (fits, but with less headroom than the error band) or 'does not fit'."""
+        return "does not fit" if not self.fits else "marginal" if self.headroom_bytes < self.band_bytes else "fits"
+
     def remedy(self) -> Optional[Suggestion]:
         """The cheapest listed change that uses less memory than this plan (options for a run that fits use more)."""
         return next((s for s in self.suggestions if s.total_bytes < self.total_bytes), None)
 
+    def _headroom(self) -> str:
+        return (f"{self.headroom_bytes / GiB:.2f} GiB headroom ({self.headroom_bytes / self.capacity_bytes:.0%}), "
+                f"{'inside' if self.verdict == 'marginal' else 'outside'} the plan's error band of "
+                f"±{ERROR_BAND:.1%} ({self.band_bytes / GiB:.2f} GiB)")
+
     def summary_line(self) -> str:
-        verdict = (f"fits, {self.headroom_bytes / GiB:.1f} GiB headroom" if self.fits
-                   else f"DOES NOT FIT by {-self.headroom_bytes / GiB:.1f} GiB")
+        verdict = {"fits": f"fits, {self.headroom_bytes / GiB:.1f} GiB headroom",
+                   "marginal": f"MARGINAL: {self._headroom()}: it may not fit",
+                   "does not fit": f"DOES NOT FIT by {-self.headroom_bytes / GiB:.1f} GiB"}[self.verdict]
         line = (f"memory plan: {self.num_params / 1e9:.2f}B params on {self.gpus} GPUs: predicted "
                 f"{self.total_bytes / GiB:.1f} GiB per GPU (peak at {self.peak_moment}) of "
                 f"{self.capacity_bytes / GiB:.1f} GiB: {verdict}")
-        if not self.fits and self.suggestions:
-            line += f"; try {self.suggestions[0].describe()}"
+        if self.verdict != "fits" and self.suggestions:
+            line += f"; {'to leave the band' if self.fits else 'try'} {self.suggestions[0].describe()}"
         return line
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "fits": self.fits, "headroom_bytes": self.headroom_bytes}
+        return {**dataclasses.asdict(self), "optimizer": OPTIMIZER, "fits": self.fits, "verdict": self.verdict,
+                "error_band": ERROR_BAND, "band_bytes": self.band_bytes, "headroom_bytes": self.headroom_bytes}
 
     def render(self) -> str:
-        lines = [self.setup, *([self.assumed] if self.assumed else []), f"per GPU, at the peak ({self.peak_moment}):"]
+        lines = [self.setup, f"GPU {self.gpu.describe()}", *([self.assumed] if self.assumed else []),
+                 f"per GPU, at the peak ({self.peak_moment}):"]
         lines += [f"  {row.name:<46}{row.bytes / GiB:>8.2f} GiB  {row.note}".rstrip() for row in self.rows]
         lines.append(f"  {'total':<46}{self.total_bytes / GiB:>8.2f} GiB  of {self.capacity_bytes / GiB:.2f} GiB "
                      f"({self.capacity_source})")
@@ -629,14 +645,20 @@ class Plan:
             host.append(f"async checkpoint staging {self.staging_bytes_per_node / GiB:.1f} GiB")
         if host:
             lines.append(f"  host RAM per node ({min(self.gpus, self.gpus_per_node)} GPUs): {', '.join(host)}")
-        lines.append(f"verdict: fits, {self.headroom_bytes / GiB:.2f} GiB headroom "
-                     f"({self.headroom_bytes / self.capacity_bytes:.0%})" if self.fits
-                     else f"verdict: DOES NOT FIT: {-self.headroom_bytes / GiB:.2f} GiB over")
+        lines.append({"fits": f"verdict: fits, {self._headroom()}",
+                      "marginal": f"verdict: MARGINAL: {self._headroom()}: it may not fit",
+                      "does not fit": f"verdict: DOES NOT FIT: {-self.headroom_bytes / GiB:.2f} GiB over"}[
+                         self.verdict])
+        offload = self.host_bytes_per_node or any(s.change.get("parallel.cpu_offload") for s in self.suggestions)
+        parts = ", ".join(f"{name} {t:.2f}" for name, t in self.step_parts.items() if t)
+        lines.append(f"time, from a rough model on {self.gpu.name}: ~{self.step_seconds:.2f} s a step ({parts}; "
+                     "compute and communication overlap)"
+                     + (f"; host AdamW at {self.host_bandwidth / 1e9:.0f} GB/s per node (--host-bandwidth-gbs)"
+                        if offload else ""))
         if self.suggestions:
-            lines.append(f"faster settings that fit with {OPTION_MARGIN:.0%} of the GPU to spare, fastest first "
-                         "(time per token per GPU from a rough model):" if self.fits
-                         else f"changes that fit with {OPTION_MARGIN:.0%} of the GPU to spare, cheapest first (time "
-                         "per token per GPU from a rough model):")
+            lines.append(("faster settings that fit outside the error band, fastest first" if self.verdict == "fits"
+                          else "changes that fit outside the error band, cheapest first")
+                         + " (time per token per GPU from a rough model):")
             lines += [f"  {i}. {s.describe()}" for i, s in enumerate(self.suggestions, 1)]
         elif not self.fits:
             lines.append("no change the planner tries fits: use more GPUs or a smaller model or sequence")
@@ -644,8 +666,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_per_node: int) -> Plan:
-    s = _setup(cfg, gpus, gpus_per_node)
+def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_per_node: int, gpu: GPU,
+              host_bandwidth: float) -> Plan:
+    s = _setup(cfg, gpus, gpus_per_node, gpu, host_bandwidth)
     by_moment = _moments(s)
     moments = {name: sum(parts.values()) for name, parts in by_moment.items()}
     peak_moment = max(moments, key=moments.get)
@@ -656,6 +679,7 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
     allocated = moments[peak_moment]
     cached = _reserved(s, by_moment, moments, peak_moment)
     reserved = allocated + sum(r.bytes for r in cached)
+    times = step_parts(s)
     outside = [Row("NCCL + cuBLAS workspaces", WORKSPACE_BYTES, "estimate"),
                Row("CUDA context", CUDA_CONTEXT_BYTES, "estimate, outside PyTorch's allocator")]
     mesh = f"FSDP over {s.shard}" if s.replicate == 1 else f"HSDP {s.replicate} x {s.shard}"
@@ -663,6 +687,7 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
              f"{gpus} GPUs, {mesh} | seq {s.seq} x micro-batch {s.micro_batch}, grad accum {s.accum} | "
              f"ac {s.ac_mode}{f' every {s.ac_every}' if s.ac_mode == 'selective' else ''} | "
              f"{s.param_dtype} params, {cfg.parallel.reduce_dtype} reduce | "
+             f"optimizer {OPTIMIZER['name']}, {OPTIMIZER['state_dtype']} state | "
              f"reshard {s.reshard}{f' + last {s.keep_gathered} blocks kept' if s.keep_gathered else ''}"
              f"{' | cpu offload' if s.offload else ''}"
              f"{' | deferred grad sync' if s.defer else ''}")
@@ -673,9 +698,9 @@ def _estimate(cfg: Config, gpus: int, capacity: int, capacity_source: str, gpus_
         notes.append("param_dtype 'auto' planned as bfloat16, as Ampere and newer GPUs run it; older ones run float16 "
                      "with loss scaling: plan that with --parallel.param_dtype float16")
     return Plan(setup, s.args.num_params(), gpus, gpus_per_node, s.replicate, s.shard, capacity, capacity_source,
-                rows + cached + outside, peak_moment, moments, allocated, reserved,
+                gpu, host_bandwidth, rows + cached + outside, peak_moment, moments, allocated, reserved,
                 reserved + sum(r.bytes for r in outside),
-                _host_bytes_per_node(s), _staging_bytes_per_node(cfg, s), _step_seconds(s), notes=notes)
+                _host_bytes_per_node(s), _staging_bytes_per_node(cfg, s), _step_seconds(times), times, notes=notes)
 
 
 def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], moments: dict[str, int], peak_moment: str) -> list[Row]:
@@ -698,9 +723,7 @@ def _reserved(s: _Setup, by_moment: dict[str, dict[str, int]], moments: dict[str
         # Groups outside the blocks (Llama: embedding, output projection) and the blocks gathered ahead.
         others = [s.gathered_bytes(g) for g in s.groups if g.role != "block"]
         block = max(s.gathered_bytes(g) for g in s.groups if g.role == "block")
-        # In NCCL's symmetric memory pool, the groups outside the blocks did not share memory: on 4 H200s the 8B
-        # reserved 0.885 GiB more in every AC mode than with FSDP2's all-gather (benchmarks/README.md); this
-        # adds 0.98 GiB.
+        # In NCCL's symmetric memory pool the groups outside the blocks share no memory (benchmarks/README.md).
         if s.symmetric_all_gather:
             rows.append(Row("all-gather symmetric memory pool", sum(others) + s.prefetch * block,
                             "every gathered group outside the blocks + the blocks gathered ahead"))
@@ -741,7 +764,7 @@ def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:
         "grads": where or (f"{shards / GiB:.2f} GiB once backward ends; zero_grad frees them each step"
                            if s.accum == 1 else "reduced once, after the last micro-batch" if s.defer
                            else "kept across micro-batches"),
-        "optimizer": where or "2 x the parameter shards",
+        "optimizer": where or f"{OPTIMIZER['state_bytes_per_param']} bytes a parameter / dp_shard {s.shard}",
         "kept": f"reshard_after_forward={s.reshard}: " + (", ".join(g.name for g in kept[:3]) or "none")
         + (f" +{len(kept) - 3} more" if len(kept) > 3 else ""),
         "comm": f"{s.param_dtype} gathers and grads, {cfg.parallel.reduce_dtype} reduce-scatter input",
@@ -755,17 +778,19 @@ def _row_notes(s: _Setup, cfg: Config) -> dict[str, str]:
     }
 
 
-def plan(cfg: Config, gpus: int, gpu_memory_bytes: int, gpus_per_node: Optional[int] = None) -> Plan:
-    """Predict per-GPU memory of training `cfg` on `gpus` GPUs of `gpu_memory_bytes` each (memory.limit_gib, when
-    set and smaller, is the capacity); when it does not fit, list changes that do, cheapest first; when it fits,
-    faster settings that fit too, fastest first."""
+def plan(cfg: Config, gpus: int, gpu: GPU | int, gpus_per_node: Optional[int] = None,
+         host_bandwidth: float = HOST_ADAMW_BW) -> Plan:
+    """Predict per-GPU memory of training `cfg` on `gpus` cards of profile `gpu`, or of that many bytes of memory
+    (a generic card; memory.limit_gib, when set and smaller, is the capacity); when it does not fit, list changes
+    that do, cheapest first; when it fits, faster settings that fit too, fastest first."""
     validate(cfg, gpus, "cuda")
-    capacity, source = gpu_memory_bytes, "GPU memory"
-    if cfg.memory.limit_gib is not None and cfg.memory.limit_gib * GiB < gpu_memory_bytes:
+    gpu = gpu if isinstance(gpu, GPU) else generic(gpu)
+    capacity, source = gpu.memory_bytes, "GPU memory"
+    if cfg.memory.limit_gib is not None and cfg.memory.limit_gib * GiB < capacity:
         capacity, source = int(cfg.memory.limit_gib * GiB), "memory.limit_gib"
     # The node size itself, even where the run uses fewer GPUs: suggestions of more GPUs fill nodes of that size.
-    result = _estimate(cfg, gpus, capacity, source, gpus_per_node or GPUS_PER_NODE)
-    if result.fits:
+    result = _estimate(cfg, gpus, capacity, source, gpus_per_node or GPUS_PER_NODE, gpu, host_bandwidth)
+    if result.verdict == "fits":
         result.suggestions = _faster_options(cfg, result)
     else:
         result.suggestions = _suggestions(cfg, result)
@@ -774,16 +799,15 @@ def plan(cfg: Config, gpus: int, gpu_memory_bytes: int, gpus_per_node: Optional[
     return result
 
 
-def check_fits(cfg: Config, world_size: int, gpu_memory_bytes: int) -> Plan:
-    """The plan for the job being started: `plan` with the node size torchrun reports (LOCAL_WORLD_SIZE), and
-    param_dtype 'auto' resolved for this node's GPUs."""
-    return plan(_for_this_gpu(cfg), world_size, gpu_memory_bytes,
-                int(os.environ.get("LOCAL_WORLD_SIZE", GPUS_PER_NODE)))
+def check_fits(cfg: Config, world_size: int, gpu: GPU | int) -> Plan:
+    """The plan for the job being started on `gpu` (gpus.this_gpu): `plan` with the node size torchrun reports
+    (LOCAL_WORLD_SIZE), and param_dtype 'auto' resolved for this node's GPUs."""
+    return plan(_for_this_gpu(cfg), world_size, gpu, int(os.environ.get("LOCAL_WORLD_SIZE", GPUS_PER_NODE)))
 
 
 def remedy_after_oom(cfg: Config, planned: Plan, short_by: int) -> Optional[Suggestion]:
     """For the job `planned` (check_fits' plan) that ran out of memory where an allocation of `short_by` bytes failed:
-    the cheapest change the planner says lowers the peak by that much, with OPTION_MARGIN to spare (enough: the run
+    the cheapest change the planner says lowers the peak by that much, outside the error band (enough: the run
     was short by that allocation less the memory then free). Where the plan said the run fits, the plan fell short
     as the run did, so the change must lower the plan itself; where it said it would not (memory.ignore_plan), its
     own cheapest change that fits. None where no change the planner tries lowers it that much."""
@@ -855,7 +879,8 @@ def _replan(cfg: Config, base: Plan, change: dict[str, Any]) -> Optional[Plan]:
         validate(new, gpus, "cuda")
     except ConfigError:
         return None
-    return _estimate(new, gpus, base.capacity_bytes, base.capacity_source, base.gpus_per_node)
+    return _estimate(new, gpus, base.capacity_bytes, base.capacity_source, base.gpus_per_node, base.gpu,
+                     base.host_bandwidth)
 
 
 def _cost(base: Plan, new: Plan, tokens_ratio: float = 1.0) -> float:
@@ -864,8 +889,8 @@ def _cost(base: Plan, new: Plan, tokens_ratio: float = 1.0) -> float:
 
 
 def _roomy(new: Optional[Plan]) -> bool:
-    """Whether a suggested setting is valid and fits with OPTION_MARGIN to spare."""
-    return new is not None and new.total_bytes <= (1 - OPTION_MARGIN) * new.capacity_bytes
+    """Whether a suggested setting is valid and fits outside the error band."""
+    return new is not None and new.verdict == "fits"
 
 
 # The chunk the planner suggests: 2048 tokens of a 128K vocabulary are 1.5 GiB of chunk buffers.
@@ -928,7 +953,7 @@ def _note(cfg: Config, change: dict[str, Any], new: Plan) -> str:
 
 
 def _suggestions(cfg: Config, base: Plan, limit: int = 5) -> list[Suggestion]:
-    """Every combination of the knobs, re-planned; the `limit` cheapest of those that fit with OPTION_MARGIN to spare
+    """Every combination of the knobs, re-planned; the `limit` cheapest of those that fit outside the error band
     and change nothing needlessly, and the smallest GPU count the unchanged run fits on, cheapest first."""
     fitting = []
     for combo in itertools.product(*_knobs(cfg)):
@@ -960,7 +985,7 @@ def _cheapest_first(suggestions: list[Suggestion]) -> list[Suggestion]:
 
 
 def _more_gpus(cfg: Config, base: Plan) -> Optional[Suggestion]:
-    """The smallest multiple of the GPU count (up to 16x) the unchanged run fits on with OPTION_MARGIN to spare. The
+    """The smallest multiple of the GPU count (up to 16x) the unchanged run fits on outside the error band. The
     global batch stays the same where grad_accum_steps can shrink by the same factor."""
     accum = cfg.train.grad_accum_steps
     for factor in (2, 4, 8, 16):
@@ -978,7 +1003,7 @@ def _more_gpus(cfg: Config, base: Plan) -> Optional[Suggestion]:
 
 
 def _faster_options(cfg: Config, result: Plan, limit: int = 3) -> list[Suggestion]:
-    """For a run that fits: the changes the time model says are faster and that fit with OPTION_MARGIN to spare,
+    """For a run that fits: the changes the time model says are faster and that fit outside the error band,
     fastest first. HSDP across nodes, more blocks kept gathered, lighter AC, the copy engines' all-gather where it
     was turned off, and fewer, larger micro-batches (only where grad_accum_steps shrinks as much: a larger global
     batch would change the training, not only its speed)."""
@@ -1001,8 +1026,8 @@ def _faster_options(cfg: Config, result: Plan, limit: int = 3) -> list[Suggestio
 
 
 def _keep_gathered_option(cfg: Config, result: Plan) -> Optional[Suggestion]:
-    """For a run that fits with room to spare: the most blocks `parallel.keep_gathered` can keep with OPTION_MARGIN
-    to spare, each one all-gather and its copies fewer per step."""
+    """For a run that fits with room to spare: the most blocks `parallel.keep_gathered` can keep outside the error
+    band, each one all-gather and its copies fewer per step."""
     p = cfg.parallel
     n_layers = model_args_from_config(cfg.model).n_layers
     if p.reshard_after_forward != "default" or p.keep_gathered >= n_layers:
@@ -1024,11 +1049,12 @@ def _keep_gathered_option(cfg: Config, result: Plan) -> Optional[Suggestion]:
 def _hsdp_option(cfg: Config, result: Plan) -> Optional[Suggestion]:
     """HSDP (shard within a node, replicate across nodes) for a multi-node FSDP run: more memory per GPU than
     sharding over every GPU, but only one all-reduce of sharded gradients per step crosses nodes. Offered on top of
-    the run if it fits, else on top of its first same-hardware suggestion, and only with OPTION_MARGIN to spare."""
+    the run if it fits, else on top of its first same-hardware suggestion, and only outside the error band."""
     nodes = result.gpus // result.gpus_per_node
     if result.dp_replicate > 1 or nodes < 2 or result.gpus % result.gpus_per_node:
         return None
-    on_top = {} if result.fits else next((s.change for s in result.suggestions if "gpus" not in s.change), None)
+    on_top = {} if result.verdict == "fits" else next(
+        (s.change for s in result.suggestions if "gpus" not in s.change), None)
     if on_top is None:
         return None
     change = {**on_top, "parallel.dp_replicate": nodes, "parallel.dp_shard": result.gpus_per_node}
@@ -1061,27 +1087,39 @@ class PlanArgs(Config):
 
     gpus: Optional[int] = None
     """GPUs the run will use (None: this machine's GPUs, or 8 where it has none)."""
+    gpu: Optional[str] = None
+    """The card, for its memory and time costs: a100-40gb, a100-80gb, a6000, l40s, h100-sxm, h100-pcie, h200
+    (None: this machine's; given, param_dtype 'auto' is planned as bfloat16)."""
     gpu_memory: Optional[str] = None
-    """Memory of one GPU with a unit, e.g. 80GiB, 47.4GiB, 80GB (None: this machine's GPU, or 80GiB). Given, the
-    plan is for another GPU than this machine's: param_dtype 'auto' is planned as bfloat16."""
+    """Memory of one GPU with a unit, e.g. 80GiB, 47.4GiB, 80GB (None: the card's). Alone, a generic card of that
+    memory, planned as --gpu is."""
+    host_bandwidth_gbs: Optional[float] = None
+    """GB/s one node's ranks stream through host AdamW under CPU offload, as benchmarks/host_adamw.py measures it
+    (None: 115, an H200 host's)."""
     json: bool = False
     """Print the plan as JSON instead of a table."""
 
 
-def _hardware(args: PlanArgs) -> tuple[int, int, bool, dict[str, str]]:
-    """GPU count and memory: the flags, else this machine's GPUs, else DEFAULT_GPUS x DEFAULT_GPU_MEMORY. Then
-    whether the plan is for this machine's GPU (its memory, whatever the count), and what was assumed, in words, by
-    the flag that would set it."""
+def _hardware(args: PlanArgs) -> tuple[int, GPU, bool, dict[str, str]]:
+    """GPU count and card: the flags, else this machine's GPUs, else DEFAULT_GPUS generic cards of
+    DEFAULT_GPU_MEMORY. Then whether the plan is for this machine's GPU (whatever the count), and what was assumed,
+    in words, by the flag that would set it."""
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus}: must be at least 1")
+    if args.gpu is not None and args.gpu not in GPUS:
+        raise ConfigError(f"--gpu {args.gpu}: not a card the planner knows; choose one of {', '.join(GPUS)}, or give "
+                          "--gpu-memory alone for a generic card")
     memory = parse_memory(args.gpu_memory) if args.gpu_memory is not None else None
-    if torch.cuda.is_available():
-        gpus = args.gpus or torch.cuda.device_count()
-        return gpus, memory or torch.cuda.get_device_properties(0).total_memory, memory is None, {}
+    here = torch.cuda.is_available()
+    if here and args.gpu is None and memory is None:
+        return args.gpus or torch.cuda.device_count(), this_gpu(), True, {}
+    card = GPUS[args.gpu] if args.gpu else generic(memory or DEFAULT_GPU_MEMORY)
+    card = dataclasses.replace(card, memory_bytes=memory or card.memory_bytes)
     assumed = {flag: value for flag, value, given in
-               (("--gpus", f"{DEFAULT_GPUS} GPUs", args.gpus),
-                ("--gpu-memory", f"{DEFAULT_GPU_MEMORY / GiB:.0f} GiB per GPU", memory)) if given is None}
-    return args.gpus or DEFAULT_GPUS, memory or DEFAULT_GPU_MEMORY, False, assumed
+               (("--gpus", f"{DEFAULT_GPUS} GPUs", args.gpus or here or None),
+                ("--gpu", f"{DEFAULT_GPU_MEMORY / GiB:.0f} GiB each with an {REFERENCE.name}'s rates",
+                 args.gpu or memory)) if given is None}
+    return args.gpus or (torch.cuda.device_count() if here else DEFAULT_GPUS), card, False, assumed
 
 
 def _in_words(assumed: dict[str, str]) -> str:
@@ -1096,8 +1134,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:  # a bad flag or config file exits 2, apart from a plan that does not fit (1)
         args = parse_args(argv, cls=PlanArgs, description=__doc__.split("\n\n")[0],
                           prog="python -m fsdp_trainer.tools.plan")
-        gpus, memory, this_gpu, assumed = _hardware(args)
-        result = plan(_for_this_gpu(args) if this_gpu else args, gpus, memory)
+        gpus, card, here, assumed = _hardware(args)
+        host = HOST_ADAMW_BW if args.host_bandwidth_gbs is None else args.host_bandwidth_gbs * 1e9
+        result = plan(_for_this_gpu(args) if here else args, gpus, card, host_bandwidth=host)
     except ConfigError as err:
         # Validation reads the GPU count, not the memory: it may refuse a count the user never set (the ranks a
         # mesh does not divide).
