@@ -161,8 +161,8 @@ def model_config_from_hf(folder: Path, model: ModelConfig) -> ModelConfig:
     args = model_args_from_hf(folder)
     fields = {name: getattr(args, name) for name in HF_FIELDS} | {"rope_scaling": args.rope_scaling or {}}
     for name, value in model.overrides().items():
-        try:
-            agrees = ModelArgs(**{**fields, name: value}) == args
+        try:  # ffn_dim_multiplier has no say where the width is given (ffn_hidden_dim): a flag would do nothing
+            agrees = name != "ffn_dim_multiplier" and ModelArgs(**{**fields, name: value}) == args
         except (ValueError, TypeError):
             agrees = False
         if not agrees:
