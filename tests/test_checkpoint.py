@@ -1382,31 +1382,39 @@ def test_tied_and_untied_embeddings_never_load_into_each_other_silently(small, t
     assert torch.equal(tied["output.weight"], tied["tok_embeddings.weight"])
 
 
-def test_resume_with_other_heads_or_rope_theta_of_the_same_shapes_is_refused(small, tmp_path, capfd):
+def test_resume_with_other_heads_rope_or_eps_of_the_same_shapes_is_refused(small, tmp_path, capfd):
     """8 heads of 8 and 4 kv heads of 8 hold the tensors of 4 heads of 16 and 2 kv heads of 16, shape for shape, and
-    another rope_theta changes no shape: each would resume without a word and train another function."""
+    another RoPE or norm eps changes no shape: each would resume without a word and train another function."""
     out = tmp_path / "run"
     shutil.copytree(small / "checkpoints", out / "checkpoints")
     before = tree(out / "checkpoints")
     heads, theta = ["--model.n_heads", "8", "--model.n_kv_heads", "4"], ["--model.rope_theta", "500000"]
+    scaling = ["--model.rope_scaling", "factor", "8", "low_freq_factor", "1", "high_freq_factor", "4",
+               "original_max_position_embeddings", "16"]
     for flags, message in (
             (heads, "was saved with model.n_heads 4, model.n_kv_heads 2, but this run has model.n_heads 8, "
                     "model.n_kv_heads 4: set --model.n_heads 4 --model.n_kv_heads 2"),
             (theta, "was saved with model.rope_theta 10000.0, but this run has model.rope_theta 500000.0: set "
-                    "--model.rope_theta 10000.0")):
+                    "--model.rope_theta 10000.0"),
+            ([*scaling, "--model.norm_eps", "1e-6"], "was saved with model.rope_scaling None, model.norm_eps 1e-05, "
+             "but this run has model.rope_scaling {'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, "
+             "'original_max_position_embeddings': 16}, model.norm_eps 1e-06: set --model.rope_scaling "
+             "--model.norm_eps 1e-05")):
         with pytest.raises(SystemExit) as exit_info:
             main([*TINY, "--train.output_dir", str(out), "--train.steps", "6", *flags])
         err = capfd.readouterr().err
         assert exit_info.value.code == 2 and f"step_00000004 {message}" in err, err
     assert tree(out / "checkpoints") == before
 
-    # A new run from its weights: other heads are refused too; another RoPE base is that run's choice.
-    for flags, refused in ((heads, True), (theta, False)):
+    # A new run from its weights: other heads or eps are refused too; another RoPE is that run's choice.
+    for flags, refused in ((heads, "model.n_heads 4, model.n_kv_heads 2, but this model has model.n_heads 8, "
+                                   "model.n_kv_heads 4"),
+                           (["--model.norm_eps", "1e-6"], "model.norm_eps 1e-05, but this model has model.norm_eps "
+                                                          "1e-06"), (theta, ""), (scaling, "")):
         args = model_args_from_config(parse_args([*TINY, *flags]).model)
         with one_rank():
             if refused:
-                with pytest.raises(ck.CheckpointError, match="saved with model.n_heads 4, model.n_kv_heads 2, but "
-                                                             "this model has model.n_heads 8, model.n_kv_heads 4"):
+                with pytest.raises(ck.CheckpointError, match=re.escape(f"saved with {refused}")):
                     weights.load_weights(build(args, device="cpu"), str(out / "checkpoints"), args)
             else:
                 weights.load_weights(build(args, device="cpu"), str(out / "checkpoints"), args)
