@@ -50,7 +50,7 @@ HF_FIELDS = {"dim": ("hidden_size", None), "n_layers": ("num_hidden_layers", Non
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}  # safetensors' names
 
 
-def _hf_names(n_layers: int) -> dict[str, str]:
+def hf_names(n_layers: int) -> dict[str, str]:
     """Our parameter names -> Hugging Face LlamaForCausalLM's."""
     names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
@@ -93,7 +93,7 @@ def _to_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Ten
 
 def to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our full state dict -> HF Llama's (a tied output projection is left to tie_word_embeddings)."""
-    return {theirs: _to_hf_tensor(ours, state[ours], args) for ours, theirs in _hf_names(args.n_layers).items()
+    return {theirs: _to_hf_tensor(ours, state[ours], args) for ours, theirs in hf_names(args.n_layers).items()
             if not (ours == "output.weight" and args.tie_embeddings)}
 
 
@@ -241,7 +241,7 @@ def _damaged(file: Path, err: Exception) -> CheckpointError:
 def _hf_tensors(folder: Path, args: ModelArgs, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple]:
     """Our name -> (file, HF name, dtype) of each parameter in `shapes` (our name -> full shape), every name and
     shape checked against the folder's files; a CheckpointError listing the problems."""
-    files, theirs = _hf_tensor_files(folder), _hf_names(args.n_layers)
+    files, theirs = _hf_tensor_files(folder), hf_names(args.n_layers)
     if args.tie_embeddings:  # HF omits lm_head.weight when tied; untied, its absence is an error below
         theirs["output.weight"] = theirs["tok_embeddings.weight"]
     # Buffers that older transformers saved (derived from rope_theta), and the output projection that a tied
@@ -395,7 +395,7 @@ def export(path: str | Path, out_dir: str | Path, dtype: Optional[torch.dtype] =
         load_dcp({"model": state}, path, None, fix)
         return list(state.values())
 
-    names = {theirs: ours for ours, theirs in _hf_names(args.n_layers).items()
+    names = {theirs: ours for ours, theirs in hf_names(args.n_layers).items()
              if not (ours == "output.weight" and args.tie_embeddings)}
     tensors = {theirs: (tuple(saved[ours].size), dtype or saved[ours].properties.dtype) for theirs, ours in names.items()}
     with checked(checkpoint, None, fix, threads=cores_per_rank(1), enabled=checksums):
