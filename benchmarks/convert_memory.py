@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from fsdp_trainer.models.llama import ModelArgs, build
-from fsdp_trainer.weights import hf_names, hf_config, write_safetensors
+from fsdp_trainer.tools.weights import hf_config, hf_names, write_safetensors
 from results import exit_if_failed, print_table, write_results
 
 GB = 1e9

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fsdp_trainer import checkpoint as ck
-from fsdp_trainer import weights
+from fsdp_trainer.tools import weights
 from fsdp_trainer.config import ConfigError, ModelConfig
 from fsdp_trainer.models.llama import ModelArgs
 from fsdp_trainer.tools import convert, generate
@@ -28,6 +28,15 @@ SCALED = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0
 STYLES = {"3": LLAMA3, "3.1": {**LLAMA3, "rope_scaling": {**SCALED, "factor": 8.0}},
           "3.2": {**LLAMA3, "rope_scaling": {**SCALED, "factor": 32.0}, "tie_word_embeddings": True},
           "eps 1e-6": {**LLAMA3, "rms_norm_eps": 1e-6}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Models this small run fastest on one thread: with two, every op waits for both, a long wait on busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=list(STYLES))
