@@ -28,9 +28,10 @@ def gpu_name() -> str:
 
 
 def result_dir(count: int) -> Path:
-    """<RESULTS>/<YYYY-MM-DD>-<gpu>x<count>/, dated in local time like the files in it."""
+    """<RESULTS>/<YYYY-MM-DD>-<gpu>x<count>/ (<YYYY-MM-DD>-cpu/ for a count of 0: no GPU), dated in local time like
+    the files in it."""
     gpu = gpu_name().replace("NVIDIA ", "").replace(" ", "-")
-    folder = RESULTS / f"{datetime.date.today().isoformat()}-{gpu}x{count}"
+    folder = RESULTS / f"{datetime.date.today().isoformat()}-{f'{gpu}x{count}' if count else 'cpu'}"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 

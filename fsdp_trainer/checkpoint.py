@@ -1,6 +1,6 @@
 """Checkpoints: sharded save and load through torch.distributed.checkpoint (DCP), atomic commit, retention,
-resume on any world size or mesh, preemption, and the list and export commands. Moving weights to and from a
-consolidated or Hugging Face model (export, checkpoint.init_from) is weights.py's.
+resume on any world size or mesh, preemption, and the list and verify commands. Moving weights to and from a
+Hugging Face model (convert, checkpoint.init_from) is weights.py's.
 
 Runbook:
     # resume: run the same command again (--checkpoint.resume auto takes the newest complete checkpoint)
@@ -17,8 +17,8 @@ Runbook:
     # torchrun itself too). In a rank's first seconds, while it imports torch, a signal still kills it.
     python -m fsdp_trainer.tools.checkpoints list outputs/checkpoints
     python -m fsdp_trainer.tools.checkpoints verify outputs/checkpoints/step_00000200        # e.g. after copying it
-    python -m fsdp_trainer.tools.checkpoints export outputs/checkpoints/step_00000200 exported/  # model.pt (+ HF Llama)
-    python -m fsdp_trainer.train --checkpoint.init_from hf:exported/ ...                  # fine-tune from those
+    python -m fsdp_trainer.tools.convert to-hf outputs/checkpoints/step_00000200 exported/   # a Hugging Face Llama
+    python -m fsdp_trainer.train --checkpoint.init_from hf:exported/ ...                     # fine-tune from those
 
 Layout of <checkpoint.dir>/step_00000200/:
     .metadata            DCP's index of every tensor chunk; rank 0 writes it after every rank has written its data
@@ -72,12 +72,12 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fsdp_trainer.config import Config, ConfigError, checkpoint_root, from_dict, mesh_shape, to_toml
+from fsdp_trainer.config import Config, ConfigError, checkpoint_root, from_dict, mesh_shape, model_flag, to_toml
 from fsdp_trainer.data import fsync_folder, samples_per_step, write_atomic
 from fsdp_trainer.distributed import ATTEMPT, BACKSTOP_S, DistInfo, cores_per_rank, logger, spans
 from fsdp_trainer.models.llama import Transformer, model_args_from_config
@@ -91,6 +91,7 @@ NO_CHECKSUMS = "it has no checksums (saved with --checkpoint.no_checksums, or by
 CONFIG = "config.toml"
 FORMAT = 1
 MODEL_CLASS = "model_class"  # the trainer state's record of the model's class, as "module.QualName"
+WEIGHTS_ONLY = "weights_only"  # in the trainer state of a model imported by tools.convert: no optimizer state yet
 LLAMA_CLASS = f"{Transformer.__module__}.{Transformer.__qualname__}"
 # What resume and `list` read from trainer_state.json; a marker without one of them is not a usable checkpoint.
 _REQUIRED = ("step", "consumed_samples", "tokens_seen", "world_size", "mesh", "global_batch", "scheduler", "saved_at")
@@ -189,6 +190,16 @@ def _read_marker(path: Path) -> tuple[Optional[dict], Optional[str]]:
     return state, None
 
 
+def write_marker(path: Path, state: dict, sums: Optional[dict[str, list[int]]]) -> None:
+    """Commit the checkpoint at `path`: its marker, holding the trainer state and its files' checksums (None: none
+    recorded)."""
+    state = {**state, CHECKSUMS: sums and dict(sorted(sums.items()))}
+    if sums is not None:
+        state[MARKER_SUM] = _marker_sum(state)
+    marker = json.dumps(state, indent=1) + "\n"
+    write_atomic(path / MARKER, lambda f: f.write(marker.encode()))
+
+
 def _marker_sum(state: dict) -> int:
     return zlib.crc32(json.dumps({k: v for k, v in state.items() if k != MARKER_SUM}, sort_keys=True).encode())
 
@@ -270,9 +281,6 @@ def _export_hint(path: Path) -> str:
     """A hint, for a folder that holds an export rather than checkpoints, on how to load it."""
     if (path / "config.json").is_file() and any(path.glob("model*.safetensors*")):
         return f"; it holds a Hugging Face model: give hf:{path} (e.g. --checkpoint.init_from hf:{path})"
-    if (path / "model.pt").is_file():
-        return (f"; it holds an exported model.pt, which init_from cannot read: give the checkpoint it was exported "
-                f"from, or export that again with safetensors installed and give hf:{path}")
     return ""
 
 
@@ -655,13 +663,13 @@ def saved_config(path: Path) -> Config:
     return cfg
 
 
-def shapeless_changes(path: Path, args, names: Sequence[str] = ("n_heads", "n_kv_heads", "rope_theta",
-                                                                  "tie_embeddings")) -> tuple[str, str, str]:
+def shapeless_changes(path: Path, args, names: Sequence[str] = ("n_heads", "n_kv_heads", "rope_theta", "rope_scaling",
+                                                                  "norm_eps", "tie_embeddings")) -> tuple[str, str, str]:
     """Of the model settings `names`, those that differ between the model saved in `path` (its config.toml, where it
     can be read) and `args`, as ("model.x A, ...", "model.x B, ...", "--model.x A ..."): saved, here, and the flags
     that restore the saved ones; empty strings if none differs. No tensor's shape shows them: the same projections
-    cut into other heads, another RoPE base, or a tied model's one tensor under both names would load without a
-    word. (max_seq_len is no such setting: it only lengthens the RoPE table.)"""
+    cut into other heads, another RoPE or norm eps, or a tied model's one tensor under both names would load without
+    a word. (max_seq_len is no such setting: it only lengthens the RoPE table.)"""
     try:
         saved = model_args_from_config(saved_config(path).model)
     except CheckpointError:
@@ -669,7 +677,7 @@ def shapeless_changes(path: Path, args, names: Sequence[str] = ("n_heads", "n_kv
     changed = [name for name in names if getattr(saved, name) != getattr(args, name)]
     return (", ".join(f"model.{name} {getattr(saved, name)}" for name in changed),
             ", ".join(f"model.{name} {getattr(args, name)}" for name in changed),
-            " ".join(f"--model.{name} {getattr(saved, name)}" for name in changed))
+            " ".join(model_flag(name, getattr(saved, name)) for name in changed))
 
 
 def check_shapes(path: Path, metadata: Metadata, expected: dict[str, tuple[int, ...]], unexpected_prefix: str,
@@ -1058,7 +1066,9 @@ class Checkpointer:
         model_sd, optim_sd = self._state_dicts()
         fix = ("Resume with the model settings it was saved with, or start a new run with --checkpoint.resume none "
                "and another --checkpoint.dir.")
-        check_shapes(path, metadata, tensor_shapes({"model": model_sd, "optim": optim_sd}), "model.", fix)
+        weights_only = state.get(WEIGHTS_ONLY, False)
+        check_shapes(path, metadata, tensor_shapes({"model": model_sd} if weights_only else
+                                                   {"model": model_sd, "optim": optim_sd}), "model.", fix)
         self._check_model_settings(path, fix)
         # Checkpoints saved before skipped steps were counted in them have no count: none is the best guess.
         progress = Progress(state["step"], state["consumed_samples"], state["tokens_seen"],
@@ -1069,6 +1079,12 @@ class Checkpointer:
             logger.info(f"{path} holds step {progress.step}")
             return progress
         start, c = time.perf_counter(), self.cfg.checkpoint
+        if weights_only:  # an imported model (tools.convert): training starts from its weights, with a fresh optimizer
+            with checked(checkpoint, self.group, if_corrupt, c.write_threads, enabled=c.checksums):
+                load_dcp({"model": model_sd}, path, self.group, if_corrupt)
+            set_model_state_dict(self.model, model_sd)
+            logger.info(f"initialized the model from {path} (weights only): fresh optimizer, step 0")
+            return progress
         with checked(checkpoint, self.group, if_corrupt, c.write_threads, enabled=c.checksums) as report:
             rng = self._read(path, metadata, model_sd, optim_sd, state["world_size"], if_corrupt)
         if c.checksums:
@@ -1350,11 +1366,7 @@ class Checkpointer:
         sums = save.writer.sums if save.writer.checksums else None
         if sums == {}:  # torch wrote through a copy of the writer: the checkpoint is whole, but resume cannot check it
             logger.warning(f"checkpoint {save.path}: no checksums reached rank 0; it is committed without them")
-        state = {**save.trainer_state, CHECKSUMS: sums and dict(sorted(sums.items()))}
-        if sums is not None:
-            state[MARKER_SUM] = _marker_sum(state)
-        marker = json.dumps(state, indent=1) + "\n"
-        write_atomic(save.path / MARKER, lambda f: f.write(marker.encode()))
+        write_marker(save.path, save.trainer_state, sums)
         size, seconds = _size_bytes(save.path), (save.finished or time.perf_counter()) - save.started
         logger.info(f"checkpoint {save.path} complete: {size / 1e9:.3f} GB in {seconds:.2f} s "
                     f"({size / 1e9 / max(seconds, 1e-9):.2f} GB/s; training blocked {save.blocked:.2f} s)")

@@ -25,7 +25,8 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "debug"
-    """Preset: debug, 125m, 1b, 3b, 8b, 70b (Llama 3 shapes). The fields below override single values of it."""
+    """Preset: debug, 125m; 1b, 3b (Llama 3.2); 8b, 70b (Llama 3); 3.1-8b, 3.1-70b. The fields below override
+    single values of it; checkpoint.init_from=hf:<folder> sets them all from its config.json."""
     dim: Optional[int] = None
     """Model width (None: the preset's)."""
     n_layers: Optional[int] = None
@@ -44,6 +45,11 @@ class ModelConfig:
     """Longest sequence the RoPE tables cover (None: the preset's)."""
     rope_theta: Optional[float] = None
     """RoPE base frequency (None: the preset's)."""
+    rope_scaling: Optional[dict[str, float]] = None
+    """Llama 3.1's RoPE scaling: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings, e.g.
+    `factor 8 low_freq_factor 1 high_freq_factor 4 original_max_position_embeddings 8192`; none if empty."""
+    norm_eps: Optional[float] = None
+    """RMSNorm's epsilon (None: the preset's)."""
     tie_embeddings: Optional[bool] = None
     """Share the token embedding with the output projection (None: the preset's)."""
 
@@ -269,6 +275,10 @@ def _checked(value: Any, annotation: Any, where: str) -> Any:
         return _checked(value, options[0], where)
     if origin is Literal and value not in options:
         raise ConfigError(f"{where} = {value!r} is not one of {', '.join(map(repr, options))}")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} = {value!r}: expected a table, such as {{factor = 8.0}}")
+        return {key: _checked(v, options[1], f"{where}.{key}") for key, v in value.items()}
     if origin is tuple:
         if isinstance(value, list) and len(value) == len(options):
             return tuple(_checked(v, t, where) for v, t in zip(value, options))
@@ -302,9 +312,23 @@ def parse_args(argv: Optional[Sequence[str]] = None, cls: type = Config,
 
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML, loadable again with --config (settings left at None are omitted)."""
-    return "\n".join(f"[{section}]\n" + "".join(f"{key} = {json.dumps(value, ensure_ascii=False)}\n"  # TOML too
-                                               for key, value in values.items() if value is not None)
+    return "\n".join(f"[{section}]\n" + "".join(f"{key} = {_toml(value)}\n" for key, value in values.items()
+                                               if value is not None)
                      for section, values in dataclasses.asdict(cfg).items() if isinstance(values, dict))
+
+
+def _toml(value: Any) -> str:
+    """A value as TOML: JSON's form, which is TOML's too, but for a table: {key = value, ...}."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key} = {_toml(v)}" for key, v in value.items()) + "}"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def model_flag(name: str, value: Any) -> str:
+    """The --model flag that sets model.<name> to `value`."""
+    if name == "rope_scaling":  # a dict, or none (given as an empty one)
+        return " ".join([f"--model.{name}", *(f"{k} {v}" for k, v in (value or {}).items())])
+    return f"--model.{name} {value}"
 
 
 def mesh_shape(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:

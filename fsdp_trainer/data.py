@@ -50,7 +50,7 @@ BYTE_EOS = 256
 BYTE_VOCAB_SIZE = 257
 DEFAULT_SHARD_TOKENS = 100_000_000
 _PREPARE_HINT = "make shards with `python -m fsdp_trainer.data prepare <inputs...> <output_dir>`"
-_EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
 UNFINISHED = "PREPARE_UNFINISHED"
 """The file prepare keeps in its output folder while it writes there. While it exists, the folder's complete shards
 may be only the first part of the data (prepare was killed, or is still running), so load_shards refuses it."""
@@ -614,9 +614,9 @@ def _hf_encoder(path: str) -> _Encoder:
     # A document's text is text: "<|endoftext|>" written in it (code, a page about tokenizers) must not become the
     # separator, or any other special token, and cut the document in two.
     tokenizer.encode_special_tokens = True
-    eos = next((tokenizer.token_to_id(t) for t in _EOS_NAMES if tokenizer.token_to_id(t) is not None), None)
+    eos = next((tokenizer.token_to_id(t) for t in EOS_NAMES if tokenizer.token_to_id(t) is not None), None)
     if eos is None:
-        raise ValueError(f"--tokenizer {path}: has none of the end-of-document tokens {', '.join(_EOS_NAMES)}")
+        raise ValueError(f"--tokenizer {path}: has none of the end-of-document tokens {', '.join(EOS_NAMES)}")
 
     def encode(doc: bytes) -> np.ndarray:
         ids = tokenizer.encode(doc.decode("utf-8"), add_special_tokens=False).ids

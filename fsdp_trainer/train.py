@@ -53,7 +53,7 @@ from fsdp_trainer.tools.gpus import this_gpu
 from fsdp_trainer.tools.model_checks import check_own_model
 from fsdp_trainer.tools.plan import Plan, check_fits, remedy_after_oom
 from fsdp_trainer.tools.profiling import OPTIMIZER_RANGE, StepProfiler
-from fsdp_trainer.tools.weights import load_weights
+from fsdp_trainer.tools.weights import load_weights, model_config_from_hf
 
 
 # A team's own model: `model_fn(cfg)` returns (model, block classes, groups) as README's "Your own model" describes
@@ -346,8 +346,10 @@ def main(argv=None, model_fn: Optional[ModelFn] = None) -> None:
     # Everything that can be checked without a GPU is checked before the process group or any memory.
     try:
         cfg = parse_args(argv)
+        if (cfg.checkpoint.init_from or "").startswith("hf:"):  # the model is the one its config.json describes
+            cfg.model = model_config_from_hf(Path(cfg.checkpoint.init_from[3:]).expanduser(), cfg.model)
         validate(cfg, world_size, "cuda" if torch.cuda.is_available() else "cpu", own_model=model_fn is not None)
-    except ConfigError as err:  # the same on every rank: one message is enough
+    except (ConfigError, CheckpointError) as err:  # the same on every rank: one message is enough
         exit_with_error(str(err), show=rank == 0)
     # Errors that depend on the node (its data, its GPUs) are printed once per node, by its first rank.
     first_on_node = int(os.environ.get("LOCAL_RANK", "0")) == 0

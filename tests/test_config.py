@@ -27,7 +27,9 @@ def test_toml_sets_defaults_and_flags_override(tmp_path):
 
 
 def test_resolved_config_round_trips_through_toml(tmp_path):
-    cfg = parse_args(["--model.name", "1b", "--ac.mode", "op", "--train.steps", "3"])
+    cfg = parse_args(["--model.name", "1b", "--ac.mode", "op", "--train.steps", "3", "--model.norm_eps", "1e-6",
+                      "--model.rope_scaling", "factor", "8", "low_freq_factor", "1", "high_freq_factor", "4",
+                      "original_max_position_embeddings", "8192"])
     path = tmp_path / "resolved.toml"
     path.write_text(to_toml(cfg))
     again = load_toml(path)
@@ -269,6 +271,8 @@ def test_bad_flag_value_is_rejected_by_the_cli(capsys):
     ('[train]\ndeterministic = 1\n', "train.deterministic = 1: expected bool"),
     ('[optim]\nbetas = [0.9]\n', "optim.betas = [0.9]: expected a list of 2 numbers"),
     ('[model]\ndim = 1.5\n', "model.dim = 1.5: expected int"),
+    ('[model]\nrope_scaling = 8\n', "model.rope_scaling = 8: expected a table, such as {factor = 8.0}"),
+    ('[model]\nrope_scaling = {factor = "8"}\n', "model.rope_scaling.factor = '8': expected float"),
 ])
 def test_toml_values_are_type_checked_like_flags(tmp_path, text, message):
     assert message in toml_error(tmp_path, text)[1]

@@ -32,6 +32,17 @@ def test_presets_have_the_size_their_names_say(name, published):
     assert ModelArgs.from_preset(name).num_params() == pytest.approx(published, rel=0.01)
 
 
+@pytest.mark.parametrize("scaling,message", [
+    ({"factor": 8.0}, "give exactly factor, low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+    ({"factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
+     "low_freq_factor below high_freq_factor"),
+])
+def test_rope_scaling_is_all_of_llama3_s_or_none(scaling, message):
+    with pytest.raises(ValueError, match=message):
+        ModelArgs.from_preset("debug", rope_scaling=scaling)
+    assert ModelArgs.from_preset("1b", rope_scaling={}).rope_scaling is None
+
+
 def test_flops_per_token_counts_matmuls_and_attention():
     args = ModelArgs.from_preset("8b")
     d, h, kv, f, v, n = 4096, 128, 8, 14336, 128256, 32

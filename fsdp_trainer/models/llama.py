@@ -1,4 +1,4 @@
-"""A Llama-3-style decoder: RMSNorm, RoPE, grouped-query attention through SDPA, SwiGLU.
+"""A Llama-3-style decoder: RMSNorm, RoPE (with Llama 3.1's scaling), grouped-query attention through SDPA, SwiGLU.
 
 No parallelism here: sharding, activation checkpointing and compilation are applied from outside
 (`fsdp_trainer.parallelize`). Parameters are initialized by `init_param`, one full tensor at a time, from a
@@ -35,6 +35,8 @@ class ModelArgs:
     multiple_of: int = 1024
     max_seq_len: int = 8192
     rope_theta: float = 500000.0
+    # Llama 3.1's RoPE scaling ("rope_type": "llama3" in Hugging Face's config.json): the keys of ROPE_SCALING.
+    rope_scaling: Optional[dict[str, float]] = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
 
@@ -51,6 +53,7 @@ class ModelArgs:
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"model.{name}={value}: must be a finite number > 0; set one, or leave it unset "
                                  "for the preset's")
+        self.rope_scaling = _checked_rope_scaling(self.rope_scaling)
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -97,6 +100,27 @@ class ModelArgs:
         return 6 * self.num_matmul_params() + 12 * self.n_layers * self.dim * seq_len
 
 
+ROPE_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _checked_rope_scaling(scaling: Optional[dict]) -> Optional[dict[str, float]]:
+    """RoPE scaling with every key of ROPE_SCALING, in that order (None for none, as {} is)."""
+    if not scaling:
+        return None
+    if set(scaling) != set(ROPE_SCALING):
+        raise ValueError(f"model.rope_scaling={scaling}: give exactly {', '.join(ROPE_SCALING)} (llama3 scaling), "
+                         "or none")
+    if not all(math.isfinite(v) and v > 0 for v in scaling.values()) or \
+            scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
+        raise ValueError(f"model.rope_scaling={scaling}: every value must be finite and > 0, and low_freq_factor "
+                         "below high_freq_factor")
+    return {key: (int if key == "original_max_position_embeddings" else float)(scaling[key]) for key in ROPE_SCALING}
+
+
+# Llama 3.1's, 3.2's and 3.3's RoPE scaling, as their config.json give it.
+LLAMA31_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+LLAMA32_ROPE = {**LLAMA31_ROPE, "factor": 32.0}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "debug": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=512, ffn_dim_multiplier=1.0,
                   multiple_of=64, max_seq_len=1024, rope_theta=10000.0),
@@ -104,23 +128,44 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 125.9M parameters.
     "125m": dict(dim=768, n_layers=16, n_heads=12, n_kv_heads=4, vocab_size=32768, ffn_dim_multiplier=1.0,
                  multiple_of=256, max_seq_len=2048, tie_embeddings=True),
+    # Llama 3.2 1B and 3B.
     "1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
-               max_seq_len=8192, tie_embeddings=True),
+               max_seq_len=131072, rope_scaling=LLAMA32_ROPE, tie_embeddings=True),
     "3b": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
-               max_seq_len=8192, tie_embeddings=True),
+               max_seq_len=131072, rope_scaling=LLAMA32_ROPE, tie_embeddings=True),
+    # Llama 3 8B and 70B; Llama 3.1's differ only in RoPE scaling and context.
     "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024),
     "70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096),
 }
+PRESETS.update({f"3.1-{name}": dict(PRESETS[name], max_seq_len=131072, rope_scaling=LLAMA31_ROPE)
+                for name in ("8b", "70b")})
 
 
-def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """e^(i * pos * theta^(-2k/d)), complex64 [max_seq_len, head_dim // 2].
+def rope_table(head_dim: int, max_seq_len: int, theta: float, scaling: Optional[dict] = None,
+               device=None) -> torch.Tensor:
+    """e^(i * pos * freq_k), freq_k = theta^(-2k/d) (scaled if `scaling`), complex64 [max_seq_len, head_dim // 2].
 
     Complex, so that it keeps its float32 precision inside the blocks: FSDP's mixed precision casts every
     floating-point forward argument to param_dtype, and bfloat16 cos/sin would be off by up to 2^-9."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling:
+        freqs = _llama3_scaled(freqs, **scaling)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
     return torch.polar(torch.ones_like(angles), angles)
+
+
+def _llama3_scaled(freqs: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                   original_max_position_embeddings: int) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling: wavelengths longer than the original context / low_freq_factor are stretched by
+    `factor`, those shorter than it / high_freq_factor kept, the band between interpolated. Float32 ops in the order
+    of Meta's and transformers' code, so that the angles at long positions agree to the bit."""
+    wavelen = 2 * math.pi / freqs
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    scaled = torch.where(wavelen > original_max_position_embeddings / low_freq_factor, freqs / factor, freqs)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original_max_position_embeddings / high_freq_factor) & \
+        (wavelen <= original_max_position_embeddings / low_freq_factor)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -215,7 +260,8 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Not persistent: derived from args, so checkpoints stay independent of max_seq_len.
-        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling),
+                             persistent=False)
 
     def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_chunk_tokens: int = 0) -> torch.Tensor:
@@ -232,8 +278,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def init_buffers(self) -> None:
-        self.rope = rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta,
-                               device=self.rope.device)
+        a = self.args
+        self.rope = rope_table(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device=self.rope.device)
 
     @torch.no_grad()
     def init_param(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:

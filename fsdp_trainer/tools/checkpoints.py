@@ -1,8 +1,8 @@
-"""The checkpoint commands: list a folder's checkpoints, verify one against its checksums, export its weights.
+"""The checkpoint commands: list a folder's checkpoints, verify one against its checksums (`tools.convert` exports
+one as a Hugging Face Llama).
 
     python -m fsdp_trainer.tools.checkpoints list outputs/checkpoints
     python -m fsdp_trainer.tools.checkpoints verify outputs/checkpoints/step_00000200   # e.g. after copying it
-    python -m fsdp_trainer.tools.checkpoints export outputs/checkpoints/step_00000200 exported/  # model.pt + HF
 """
 
 from __future__ import annotations
@@ -11,13 +11,11 @@ import argparse
 from pathlib import Path
 from typing import Optional, Sequence
 
-import torch
-
 from fsdp_trainer.checkpoint import (_STEP_DIR, NO_CHECKSUMS, CheckpointError, _ranks, _read_marker, _size_bytes,
                                      checked, incomplete_reason, list_checkpoints, read_metadata, resolve, ways_past)
 from fsdp_trainer.config import ConfigError
 from fsdp_trainer.distributed import cores_per_rank
-from fsdp_trainer.tools.weights import export
+
 
 def _list(root: str) -> None:
     if not Path(root).is_dir():
@@ -56,13 +54,6 @@ def _verify(named: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fsdp_trainer.tools.checkpoints", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("export", help="write a checkpoint's weights as model.pt and a Hugging Face Llama")
-    p.add_argument("checkpoint", help="a step_* folder, or a checkpoint folder (its newest complete checkpoint)")
-    p.add_argument("out_dir", help="folder for model.pt, config.toml, and config.json + model.safetensors")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights (default: as saved)")
-    p.add_argument("--no-checksums", dest="checksums", action="store_false",
-                   help="do not check the files against the checksums the save recorded (to salvage what a damaged "
-                        "checkpoint still holds)")
     p = commands.add_parser("list", help="list the checkpoints in a folder, complete or not (and why not)")
     p.add_argument("dir", help="a checkpoint folder (<output_dir>/checkpoints by default)")
     p = commands.add_parser("verify", help="check every file of a checkpoint against the size and CRC32 its save "
@@ -72,11 +63,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         if args.command == "list":
             _list(args.dir)
-        elif args.command == "verify":
-            _verify(args.checkpoint)
         else:
-            export(args.checkpoint, args.out_dir, getattr(torch, args.dtype) if args.dtype else None,
-                   checksums=args.checksums)
+            _verify(args.checkpoint)
     except (CheckpointError, ConfigError) as err:
         parser.exit(2, f"error: {err}\n")
 

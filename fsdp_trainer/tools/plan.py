@@ -144,7 +144,7 @@ def fsdp_groups(args: ModelArgs) -> tuple[Group, ...]:
     """The FSDP groups `train.build_model` creates, in forward order, read off the model built on the meta device
     (so the shapes come from the model itself): untied, [embedding], each block, [final norm + output];
     tied, the root (the shared embedding, which runs first, and the final norm), then each block."""
-    return _groups(dataclasses.astuple(args))
+    return _groups(dataclasses.astuple(dataclasses.replace(args, rope_scaling=None)))  # a dict; it shapes nothing
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,41 +1,56 @@
-"""Model weights in and out of the trainer: a checkpoint's weights exported as one consolidated model.pt and as a
-Hugging Face Llama (config.json + model.safetensors), and a model filled from a checkpoint (resharded by DCP) or
-from a Hugging Face Llama folder, for checkpoint.init_from. Training state (optimizer, data position, RNG) does not
-travel this way: resuming is checkpoint.py's.
+"""Model weights in and out of the trainer, one tensor in memory at a time: a Hugging Face Llama folder
+(config.json + safetensors) to a checkpoint and back, and a model filled from either, for checkpoint.init_from,
+`fsdp_trainer.tools.convert` and `fsdp_trainer.tools.generate`. Training state (optimizer, data position, RNG) does
+not travel this way: resuming is checkpoint.py's.
 
 Runbook:
-    python -m fsdp_trainer.tools.checkpoints export outputs/checkpoints/step_00000200 exported/  # main() calls export()
-    python -m fsdp_trainer.train --checkpoint.init_from hf:exported/ ...   # Checkpointer.restore: load_weights()
-    python -m fsdp_trainer.train --checkpoint.init_from outputs/checkpoints ...  # or a checkpoint's weights
+    python -m fsdp_trainer.tools.convert from-hf Llama-3.2-1B/ ckpt/          # import_hf(): ckpt/step_00000000
+    python -m fsdp_trainer.tools.convert to-hf outputs/checkpoints exported/   # export()
+    python -m fsdp_trainer.train --checkpoint.init_from hf:Llama-3.2-1B/ ...   # model_config_from_hf(), load_weights()
 
-Our q and k projections keep Meta's interleaved RoPE pairs; Hugging Face's rotate-half layout pairs rows half a
-head apart, so those rows are permuted on the way out (to_hf_rows) and back on the way in (from_hf_rows).
+config.json sets every model setting (model_args_from_hf): shapes, RoPE base and llama3 scaling, RMSNorm's eps, tied
+embeddings; export writes them back as read. Our q and k projections keep Meta's interleaved RoPE pairs; Hugging
+Face's rotate-half layout pairs rows half a head apart, so those rows are permuted on the way out (to_hf_rows) and
+back on the way in (from_hf_rows).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import shutil
+import time
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp_trainer.checkpoint import (CONFIG, CheckpointError, check_shapes, checked, load_dcp, model_class,
+from fsdp_trainer.checkpoint import (CONFIG, FORMAT, LLAMA_CLASS, MODEL_CLASS, WEIGHTS_ONLY, CheckpointError,
+                                     CheckpointWriter, check_shapes, checked, list_checkpoints, load_dcp, model_class,
                                      own_model_class, read_metadata, resolve, saved_config, shapeless_changes,
-                                     tensor_shapes)
-from fsdp_trainer.config import Config, to_toml
-from fsdp_trainer.distributed import cores_per_rank, logger
-from fsdp_trainer.models.llama import ModelArgs, Transformer, build, model_args_from_config
+                                     step_dir, tensor_shapes, write_marker)
+from fsdp_trainer.config import Config, ConfigError, ModelConfig, model_flag, to_toml
+from fsdp_trainer.data import write_atomic
+from fsdp_trainer.distributed import cores_per_rank
+from fsdp_trainer.models.llama import ROPE_SCALING, ModelArgs, Transformer, build, model_args_from_config
+
+# Our ModelArgs field -> its config.json key, and transformers' LlamaConfig default where the key may be absent.
+HF_FIELDS = {"dim": ("hidden_size", None), "n_layers": ("num_hidden_layers", None),
+             "n_heads": ("num_attention_heads", None), "n_kv_heads": ("num_key_value_heads", None),
+             "vocab_size": ("vocab_size", None), "ffn_hidden_dim": ("intermediate_size", None),
+             "max_seq_len": ("max_position_embeddings", 2048), "rope_theta": ("rope_theta", 10000.0),
+             "norm_eps": ("rms_norm_eps", 1e-6), "tie_embeddings": ("tie_word_embeddings", False)}
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}  # safetensors' names
 
 
-def _hf_names(n_layers: int) -> dict[str, str]:
+def hf_names(n_layers: int) -> dict[str, str]:
     """Our parameter names -> Hugging Face LlamaForCausalLM's."""
     names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
@@ -71,105 +86,27 @@ def from_hf_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def _to_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    heads = _rope_heads(name, args)
+    return (tensor if heads is None else to_hf_rows(tensor, heads)).contiguous()
+
+
 def to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Our full state dict -> HF Llama's (a tied output projection is left to tie_word_embeddings)."""
-    out = {}
-    for ours, theirs in _hf_names(args.n_layers).items():
-        if ours == "output.weight" and args.tie_embeddings:
-            continue
-        heads = _rope_heads(ours, args)
-        tensor = state[ours] if heads is None else to_hf_rows(state[ours], heads)
-        out[theirs] = tensor.contiguous()
-    return out
+    return {theirs: _to_hf_tensor(ours, state[ours], args) for ours, theirs in hf_names(args.n_layers).items()
+            if not (ours == "output.weight" and args.tie_embeddings)}
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
-    """config.json of the equivalent transformers LlamaForCausalLM."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
-            "intermediate_size": args.ffn_hidden_dim, "num_hidden_layers": args.n_layers,
-            "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
-            "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len, "rope_theta": args.rope_theta,
-            "rms_norm_eps": args.norm_eps, "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu",
-            "attention_bias": False, "mlp_bias": False, "initializer_range": 0.02,
+    """config.json of the equivalent transformers LlamaForCausalLM, in the form transformers 4 and 5 both read."""
+    rope = args.rope_scaling and {**args.rope_scaling, "rope_type": "llama3"}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": args.head_dim,
+            **{key: getattr(args, ours) for ours, (key, _) in HF_FIELDS.items()}, "rope_scaling": rope,
+            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "initializer_range": 0.02,
             "torch_dtype": str(dtype).removeprefix("torch.")}
 
 
-def load_consolidated(path: Path, checksums: bool = True) -> tuple[dict[str, torch.Tensor], Config]:
-    """The full (unsharded) model weights of a complete checkpoint and its config, read in this one process
-    without a process group: DCP fills tensors allocated from its metadata, whatever the saving world size. With
-    `checksums`, the files are checked against those the save recorded, if any."""
-    checkpoint = resolve(path, "checkpoint")
-    path, fix = checkpoint.path, "export an earlier complete checkpoint"
-    own = own_model_class(checkpoint.state)
-    if own:
-        raise CheckpointError(f"checkpoint {path} holds a model of your own, {own}; export converts fsdp_trainer's "
-                              "Llama only. Its full weights: torch.distributed.checkpoint.format_utils."
-                              f"dcp_to_torch_save('{path}', 'model.pt'), then your_model.load_state_dict("
-                              "torch.load('model.pt')['model'])")
-    metadata = read_metadata(checkpoint, fix, checksums)
-    cfg = saved_config(path)  # before the tensors: a large model's take minutes to read
-    # config.toml may have been copied in from another run (saved_config asks for that when it is lost): blocks it
-    # does not know would be left out of the Hugging Face export, its untied output projection replaced.
-    args = model_args_from_config(cfg.model)
-    misfit = f"has a {CONFIG} that does not describe the model saved there"
-    fix_config = ("Copy in the config.toml of the run that saved it (from its train.output_dir); a model of your own "
-                  "(train.main's model_fn) is no Llama, which is all export converts")
-    check_shapes(path, metadata, tensor_shapes({"model": build(args).state_dict()}), "model.", fix_config, misfit)
-    state = {key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items()
-             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    with checked(checkpoint, None, fix, threads=cores_per_rank(1), enabled=checksums):
-        load_dcp({"model": state}, path, None, fix)
-    if args.tie_embeddings:
-        if not torch.equal(state["output.weight"], state["tok_embeddings.weight"]):
-            raise CheckpointError(f"checkpoint {path} {misfit}: tie_embeddings = true in it, but the output "
-                                  f"projection saved there is not the embedding. {fix_config}")
-        state["output.weight"] = state["tok_embeddings.weight"]  # one tensor again, as in the model
-    return state, cfg
-
-
-def export(path: str | Path, out_dir: str | Path, dtype: Optional[torch.dtype] = None,
-           log: Callable[[str], None] = print, checksums: bool = True) -> Path:
-    """Write a checkpoint's weights to out_dir as model.pt (our names; `Transformer.load_state_dict` takes it)
-    and, if safetensors is installed, as a Hugging Face Llama (config.json + model.safetensors). The folder and
-    the checkpoint's config.toml are checked before the first file is written."""
-    out = Path(out_dir)
-    _check_no_weights_in(out)
-    state, cfg = load_consolidated(Path(path), checksums)
-    args = model_args_from_config(cfg.model)
-    if dtype is not None:
-        state = {k: v.to(dtype) for k, v in state.items()}
-        if args.tie_embeddings:
-            state["output.weight"] = state["tok_embeddings.weight"]
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save(state, out / "model.pt")
-    (out / CONFIG).write_text(to_toml(cfg))
-    log(f"wrote {out / 'model.pt'} ({len(state)} tensors, {args.num_params() / 1e6:,.1f}M parameters)")
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        log("skipped the Hugging Face export: it needs safetensors (pip install safetensors, or fsdp_trainer[hf])")
-        return out
-    save_file(to_hf(state, args), str(out / "model.safetensors"), metadata={"format": "pt"})
-    # safetensors writes a temporary file (mode 0600) and renames it; give it the mode of model.pt, which open()
-    # created through the umask like every other file here.
-    shutil.copymode(out / "model.pt", out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(hf_config(args, state["norm.weight"].dtype), indent=2) + "\n")
-    log(f"wrote {out / 'model.safetensors'} and config.json: transformers' LlamaForCausalLM.from_pretrained loads it")
-    return out
-
-
-def _check_no_weights_in(out: Path) -> None:
-    """A CheckpointError if `out` holds model weights already: an earlier export's files that this one would not
-    replace (the shards and index of a sharded model, say) would be loaded instead of the new ones, or mixed with
-    them. Nothing is deleted: they may be the only copy of another model."""
-    found = sorted({file.name for pattern in ("model.pt", "model*.safetensors", "model.safetensors.index.json")
-                    for file in out.glob(pattern)})
-    if found:
-        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
-        raise CheckpointError(f"{out} holds model weights already ({', '.join(found[:3])}{more}); export into a new or "
-                              "empty folder, or remove those files first")
-
+# ----------------------------------------------------------------------------------------------- config.json
 
 def _read_hf_json(path: Path, key: Optional[str] = None) -> dict:
     """A JSON object of a Hugging Face model folder (its `key` entry, if given), or a CheckpointError naming the
@@ -185,6 +122,71 @@ def _read_hf_json(path: Path, key: Optional[str] = None) -> dict:
                               f"({type(err).__name__}: {err}); download or export the model again") from None
     return value
 
+
+def model_args_from_hf(folder: Path) -> ModelArgs:
+    """The model a Hugging Face Llama folder's config.json describes; a CheckpointError for one this model cannot
+    compute (another activation or RoPE type, a head_dim of its own)."""
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"hf:{folder}: no config.json; expected a Hugging Face Llama model folder")
+    config = _read_hf_json(folder / "config.json")
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):  # transformers' two names of one function
+        raise CheckpointError(f"hf:{folder}: config.json's hidden_act is {act!r}, but this model's SwiGLU uses silu, "
+                              "so its weights would compute another function; give a Llama model folder")
+    # transformers 5 writes RoPE's settings as rope_parameters, 4 as rope_theta and rope_scaling ("type" before 4.43).
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default" if set(rope) <= {"rope_theta"} else None))
+    if kind not in ("default", "llama3"):
+        raise CheckpointError(f"hf:{folder}: config.json's RoPE type is {kind!r}, which this model does not implement "
+                              "(default and llama3 only), so its weights would compute another function")
+    fields = {ours: config.get(key, default) for ours, (key, default) in HF_FIELDS.items()}
+    fields["n_kv_heads"] = fields["n_kv_heads"] or fields["n_heads"]
+    fields["rope_theta"] = rope.get("rope_theta", fields["rope_theta"])
+    try:
+        missing = [HF_FIELDS[ours][0] for ours, value in fields.items() if value is None]
+        missing += [key for key in ROPE_SCALING if kind == "llama3" and key not in rope]
+        if missing:
+            raise ValueError(f"it lacks {', '.join(missing)}")
+        args = ModelArgs(**fields, rope_scaling={key: rope[key] for key in ROPE_SCALING} if kind == "llama3" else None)
+        if config.get("head_dim", args.head_dim) != args.head_dim:
+            raise ValueError(f"its head_dim {config['head_dim']} is not hidden_size / num_attention_heads, as here")
+    except (ValueError, TypeError) as err:
+        raise CheckpointError(f"hf:{folder}: config.json describes no model this Llama can be ({err})") from None
+    return args
+
+
+def model_config_from_hf(folder: Path, model: ModelConfig) -> ModelConfig:
+    """`model` with every setting taken from hf:<folder>'s config.json; a ConfigError naming both values where a
+    setting given explicitly (flag or TOML) disagrees."""
+    args = model_args_from_hf(folder)
+    fields = {name: getattr(args, name) for name in HF_FIELDS} | {"rope_scaling": args.rope_scaling or {}}
+    for name, value in model.overrides().items():
+        try:  # ffn_dim_multiplier has no say where the width is given (ffn_hidden_dim): a flag would do nothing
+            agrees = name != "ffn_dim_multiplier" and ModelArgs(**{**fields, name: value}) == args
+        except (ValueError, TypeError):
+            agrees = False
+        if not agrees:
+            key = HF_FIELDS.get(name, ("intermediate_size" if name == "ffn_dim_multiplier" else name,))[0]
+            theirs = fields.get(name, fields["ffn_hidden_dim"])
+            raise ConfigError(f"model.{name}={value}, but hf:{folder}/config.json, which sets the model, has {key} "
+                              f"{'none' if theirs == {} else theirs}; remove --model.{name}")
+    return ModelConfig(name=model.name, **fields)
+
+
+def _check_hf_config(folder: Path, args: ModelArgs) -> ModelArgs:
+    """The folder's model; a CheckpointError naming the settings in which it differs from `args` (max_seq_len only
+    lengthens the RoPE table: any will do)."""
+    theirs = model_args_from_hf(folder)
+    wrong = [name for name in (*HF_FIELDS, "rope_scaling") if name != "max_seq_len"
+             and getattr(theirs, name) != getattr(args, name)]
+    if wrong:
+        sets = ", ".join(f"{name}={getattr(args, name)} here but {getattr(theirs, name)} there" for name in wrong)
+        flags = " ".join(model_flag(name, getattr(theirs, name)) for name in wrong)
+        raise CheckpointError(f"hf:{folder}: config.json does not fit this model ({sets}); set {flags}")
+    return theirs
+
+
+# ----------------------------------------------------------------------------------------------- tensors in
 
 def _hf_tensor_files(folder: Path) -> dict[str, Path]:
     """HF tensor name -> the .safetensors file holding it (one file, or shards listed by an index)."""
@@ -214,7 +216,7 @@ def _safetensors(file: Path) -> Iterator:
     try:
         from safetensors import SafetensorError, safe_open
     except ImportError:
-        raise CheckpointError("checkpoint.init_from=hf:... needs safetensors: pip install safetensors "
+        raise CheckpointError("reading a Hugging Face model needs safetensors: pip install safetensors "
                               "(or fsdp_trainer[hf])") from None
     try:
         handle = safe_open(str(file), "pt")
@@ -236,59 +238,10 @@ def _damaged(file: Path, err: Exception) -> CheckpointError:
                            "short or its header is damaged; download or export the model again")
 
 
-def _hf_rope(config: dict) -> tuple[float, dict]:
-    """(rope_theta, RoPE scaling parameters or {} for none) of a config.json. transformers 5 writes them together
-    as rope_parameters, earlier versions as rope_theta and rope_scaling; an absent theta is transformers' default."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
-    # "type": transformers 4's older name. Parameters without a type still scale something: not "none".
-    if rope.get("rope_type", rope.get("type")) == "default":
-        scaling = {}
-    return theta, scaling
-
-
-def _check_hf_config(folder: Path, args: ModelArgs) -> None:
-    """A CheckpointError naming the settings of config.json that differ from this model's and a --model flag can set;
-    a warning for those that no flag can (RoPE scaling, RMSNorm's eps): refusing them would rule out fine-tuning
-    such a model at all, and the weights still carry over, though the first logits differ from the original's.
-    Another activation than SwiGLU's silu is refused: no fine-tuning would make those weights the model's."""
-    config = _read_hf_json(folder / "config.json")
-    act = config.get("hidden_act", "silu")  # absent keys: transformers' LlamaConfig defaults, as for rope_theta
-    if act not in ("silu", "swish"):  # transformers' two names of one function
-        raise CheckpointError(f"hf:{folder}: config.json's hidden_act is {act!r}, but this model's SwiGLU uses silu, "
-                              "so its weights would compute another function; give a Llama model folder")
-    theta, scaling = _hf_rope(config)
-    hf = {**config, "rope_theta": theta, "tie_word_embeddings": config.get("tie_word_embeddings", False)}
-    fields = {"hidden_size": ("dim", args.dim), "num_hidden_layers": ("n_layers", args.n_layers),
-              "num_attention_heads": ("n_heads", args.n_heads),
-              "num_key_value_heads": ("n_kv_heads", args.n_kv_heads),
-              "intermediate_size": ("ffn_hidden_dim", args.ffn_hidden_dim),
-              "vocab_size": ("vocab_size", args.vocab_size),
-              "tie_word_embeddings": ("tie_embeddings", args.tie_embeddings),
-              "rope_theta": ("rope_theta", args.rope_theta)}
-    wrong = [(flag, hf[key], ours) for key, (flag, ours) in fields.items() if key in hf and hf[key] != ours]
-    if wrong:
-        sets = ", ".join(f"{flag}={ours} here but {theirs} there" for flag, theirs, ours in wrong)
-        flags = " ".join(f"--model.{flag} {theirs}" for flag, theirs, _ in wrong)
-        raise CheckpointError(f"hf:{folder}: config.json does not fit this model ({sets}); set {flags}")
-    unmatched = [f"RoPE scaling {scaling} there, none here"] if scaling else []
-    eps = config.get("rms_norm_eps", 1e-6)  # transformers' default
-    if eps != args.norm_eps:
-        unmatched.append(f"rms_norm_eps {eps} there, {args.norm_eps} here")
-    if unmatched:
-        logger.warning(f"hf:{folder}: {'; '.join(unmatched)}: no --model flag can match this, so this model's logits "
-                       "will differ from the original's until fine-tuning adapts its weights")
-
-
-def _hf_full_tensors(folder: Path, args: ModelArgs,
-                     shapes: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our name, full tensor in our layout) for each parameter in `shapes` (our name -> full shape), one tensor
-    in memory at a time; every shape is checked before the first tensor is read."""
-    if not (folder / "config.json").is_file():
-        raise CheckpointError(f"hf:{folder}: no config.json; expected a Hugging Face Llama model folder")
-    _check_hf_config(folder, args)
-    files, theirs = _hf_tensor_files(folder), _hf_names(args.n_layers)
+def _hf_tensors(folder: Path, args: ModelArgs, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple]:
+    """Our name -> (file, HF name, dtype) of each parameter in `shapes` (our name -> full shape), every name and
+    shape checked against the folder's files; a CheckpointError listing the problems."""
+    files, theirs = _hf_tensor_files(folder), hf_names(args.n_layers)
     if args.tie_embeddings:  # HF omits lm_head.weight when tied; untied, its absence is an error below
         theirs["output.weight"] = theirs["tok_embeddings.weight"]
     # Buffers that older transformers saved (derived from rope_theta), and the output projection that a tied
@@ -296,6 +249,7 @@ def _hf_full_tensors(folder: Path, args: ModelArgs,
     used = {theirs[name] for name in shapes} | ({"lm_head.weight"} if args.tie_embeddings else set())
     problems = [f"{name} is there but has no place in this model" for name in sorted(files)
                 if name not in used and not name.endswith("rotary_emb.inv_freq")]
+    found = {}
     for name, expected in shapes.items():
         if theirs[name] not in files:
             problems.append(f"{theirs[name]} is missing")
@@ -304,18 +258,26 @@ def _hf_full_tensors(folder: Path, args: ModelArgs,
             if theirs[name] not in f.keys():  # the index points at a file without it (a download cut short?)
                 problems.append(f"{theirs[name]} is not in {files[theirs[name]].name}, where the index says it is")
                 continue
-            shape = tuple(f.get_slice(theirs[name]).get_shape())
+            tensor = f.get_slice(theirs[name])
+            shape, dtype = tuple(tensor.get_shape()), tensor.get_dtype()
         if shape != expected:
             problems.append(f"{theirs[name]} has shape {list(shape)} there but our {name} is {list(expected)}")
+        elif dtype not in _DTYPES.values():
+            problems.append(f"{theirs[name]} is {dtype}, not a floating-point type of {', '.join(_DTYPES.values())}")
+        found[name] = (files[theirs[name]], theirs[name], {v: k for k, v in _DTYPES.items()}.get(dtype))
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise CheckpointError(f"hf:{folder} does not fit this model: {'; '.join(problems[:3])}{more}; set the "
-                              "--model.* flags to match its config.json")
-    for name in shapes:
-        with _safetensors(files[theirs[name]]) as f:
-            tensor = f.get_tensor(theirs[name])
-        heads = _rope_heads(name, args)
-        yield name, tensor if heads is None else from_hf_rows(tensor, heads)
+        raise CheckpointError(f"hf:{folder} does not fit this model: {'; '.join(problems[:3])}{more}")
+    return found
+
+
+def _read_hf(name: str, entry: tuple, args: ModelArgs) -> torch.Tensor:
+    """One parameter of _hf_tensors' in our layout."""
+    file, theirs, _ = entry
+    with _safetensors(file) as f:
+        tensor = f.get_tensor(theirs)
+    heads = _rope_heads(name, args)
+    return tensor if heads is None else from_hf_rows(tensor, heads)
 
 
 @torch.no_grad()
@@ -331,13 +293,16 @@ def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
 def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional[dist.ProcessGroup] = None,
                  threads: int = 4) -> None:
     """Fill a (sharded) model with the weights of a checkpoint (a folder, resharded by DCP) or of hf:<folder> (a
-    Hugging Face Llama); shapes are checked first, and a mismatch raises a CheckpointError naming it. A checkpoint's
-    files are checked against the checksums its save recorded, `threads` files at a time per rank (0: no check)."""
+    Hugging Face Llama); settings and shapes are checked first, and a mismatch raises a CheckpointError naming it. A
+    checkpoint's files are checked against the checksums its save recorded, `threads` files at a time per rank (0:
+    no check)."""
     if source.startswith("hf:"):
+        folder = Path(source[3:]).expanduser()
+        _check_hf_config(folder, args)
         params = dict(model.named_parameters())  # a tied weight appears once; a DTensor's shape is the full one
-        shapes = {name: tuple(p.shape) for name, p in params.items()}
-        for name, full in _hf_full_tensors(Path(source[3:]).expanduser(), args, shapes):
-            _copy_full(params[name], full)
+        found = _hf_tensors(folder, args, {name: tuple(p.shape) for name, p in params.items()})
+        for name, entry in found.items():
+            _copy_full(params[name], _read_hf(name, entry, args))
         return
     checkpoint = resolve(source, "--checkpoint.init_from")
     path, model_sd = checkpoint.path, get_model_state_dict(model)
@@ -345,15 +310,163 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
     own = own_model_class(checkpoint.state) or model_class(model) is not Transformer
     check_shapes(path, read_metadata(checkpoint, fix, threads > 0), tensor_shapes({"model": model_sd}), "model.",
                  "Build the model it was saved with." if own else "Set the --model.* flags it was saved with.")
-    # Heads of the same shapes would cut the saved projections into others. A tied checkpoint loads into an untied
-    # model as two equal tensors (untying it); the other way round, one of the saved two would overwrite the other
-    # in the model's single tensor. Another RoPE base is a new run's choice (a longer context, say).
-    # (A model of one's own has none of these settings: config.toml's are of a preset that was not trained.)
+    # Heads of the same shapes would cut the saved projections into others, another eps normalize otherwise. A tied
+    # checkpoint loads into an untied model as two equal tensors (untying it); the other way round, one of the saved
+    # two would overwrite the other in the model's single tensor. Another RoPE base or scaling is a new run's choice
+    # (a longer context, say). (A model of one's own has none of these settings: config.toml's are of a preset that
+    # was not trained.)
     then, now, flags = ("", "", "") if own else shapeless_changes(
-        path, args, ("n_heads", "n_kv_heads") + (("tie_embeddings",) if args.tie_embeddings else ()))
+        path, args, ("n_heads", "n_kv_heads", "norm_eps") + (("tie_embeddings",) if args.tie_embeddings else ()))
     if then:
         raise CheckpointError(f"checkpoint {path} was saved with {then}, but this model has {now}, and its weights "
                               f"would compute another function: set {flags}")
     with checked(checkpoint, group, fix, threads, enabled=threads > 0):
         load_dcp({"model": model_sd}, path, group, fix)
     set_model_state_dict(model, model_sd)
+
+
+def load_model(source: str, device: torch.device | str = "cpu") -> Transformer:
+    """The Llama of a checkpoint (with its config.toml's settings) or of hf:<folder> (its config.json's), on
+    `device` in float32, for inference."""
+    if source.startswith("hf:"):
+        args = model_args_from_hf(Path(source[3:]).expanduser())
+    else:
+        args = model_args_from_config(saved_config(resolve(source, "checkpoint").path).model)
+    model = build(args).to_empty(device=device)
+    model.init_buffers()
+    model.tie_weights()
+    load_weights(model, source, args, threads=cores_per_rank(1))
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------- tensors out
+
+def write_safetensors(file: Path, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                      read: Callable[[str], torch.Tensor]) -> None:
+    """A .safetensors file of `tensors` (name -> shape, dtype), each one's data taken from read(name) as it is
+    written: one tensor in memory at a time, where safetensors' own writer wants them all."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, (shape, dtype) in tensors.items():
+        end = offset + torch.Size(shape).numel() * dtype.itemsize
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data 8-byte aligned, as safetensors writes it
+
+    def write(f) -> None:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for name, (shape, dtype) in tensors.items():
+            tensor = read(name).to(dtype).contiguous()
+            if tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"{name} has shape {list(tensor.shape)}, not the {list(shape)} of the header")
+            f.write(tensor.view(torch.uint8).numpy())
+
+    write_atomic(file, write)
+
+
+def export(path: str | Path, out_dir: str | Path, dtype: Optional[torch.dtype] = None,
+           log: Callable[[str], None] = print, checksums: bool = True) -> Path:
+    """Write a checkpoint's weights to out_dir as a Hugging Face Llama (config.json + model.safetensors), in their
+    saved dtype or `dtype`, reading one tensor at a time. The folder and the checkpoint's config.toml are checked
+    before the first file is written; with `checksums`, the checkpoint's files against those its save recorded."""
+    out = Path(out_dir)
+    _check_no_weights_in(out)
+    checkpoint = resolve(path, "checkpoint")
+    path, fix = checkpoint.path, "export an earlier complete checkpoint"
+    own = own_model_class(checkpoint.state)
+    if own:
+        raise CheckpointError(f"checkpoint {path} holds a model of your own, {own}; export converts fsdp_trainer's "
+                              "Llama only. Its full weights: torch.distributed.checkpoint.format_utils."
+                              f"dcp_to_torch_save('{path}', 'model.pt'), then your_model.load_state_dict("
+                              "torch.load('model.pt')['model'])")
+    metadata = read_metadata(checkpoint, fix, checksums)
+    # config.toml may have been copied in from another run (saved_config asks for that when it is lost): blocks it
+    # does not know would be left out of the export, its untied output projection replaced.
+    args = model_args_from_config(saved_config(path).model)
+    misfit = f"has a {CONFIG} that does not describe the model saved there"
+    fix_config = ("Copy in the config.toml of the run that saved it (from its train.output_dir); a model of your own "
+                  "(train.main's model_fn) is no Llama, which is all export converts")
+    check_shapes(path, metadata, tensor_shapes({"model": build(args).state_dict()}), "model.", fix_config, misfit)
+    saved = {key.removeprefix("model."): meta for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+
+    def read(*names: str) -> list[torch.Tensor]:
+        state = {name: torch.empty(saved[name].size, dtype=saved[name].properties.dtype) for name in names}
+        load_dcp({"model": state}, path, None, fix)
+        return list(state.values())
+
+    names = {theirs: ours for ours, theirs in hf_names(args.n_layers).items()
+             if not (ours == "output.weight" and args.tie_embeddings)}
+    tensors = {theirs: (tuple(saved[ours].size), dtype or saved[ours].properties.dtype) for theirs, ours in names.items()}
+    with checked(checkpoint, None, fix, threads=cores_per_rank(1), enabled=checksums):
+        pass  # the whole checkpoint first, as the export reads it a tensor at a time and must not write from damage
+    # Training saves a tied model's one tensor under both names: they must be equal.
+    if args.tie_embeddings and not torch.equal(*read("tok_embeddings.weight", "output.weight")):
+        raise CheckpointError(f"checkpoint {path} {misfit}: tie_embeddings = true in it, but the output projection "
+                              f"saved there is not the embedding. {fix_config}")
+    out.mkdir(parents=True, exist_ok=True)
+    write_safetensors(out / "model.safetensors", tensors,
+                      lambda name: _to_hf_tensor(names[name], read(names[name])[0], args))
+    config = hf_config(args, tensors["model.norm.weight"][1])
+    write_atomic(out / "config.json", lambda f: f.write((json.dumps(config, indent=2) + "\n").encode()))
+    log(f"wrote {out / 'model.safetensors'} and config.json ({args.num_params() / 1e6:,.1f}M parameters): "
+        "transformers' LlamaForCausalLM.from_pretrained loads it")
+    return out
+
+
+def _check_no_weights_in(out: Path) -> None:
+    """A CheckpointError if `out` holds model weights already: an earlier export's files that this one would not
+    replace (the shards and index of a sharded model, say) would be loaded instead of the new ones, or mixed with
+    them. Nothing is deleted: they may be the only copy of another model."""
+    found = sorted({file.name for pattern in ("model.pt", "model*.safetensors", "model.safetensors.index.json")
+                    for file in out.glob(pattern)})
+    if found:
+        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+        raise CheckpointError(f"{out} holds model weights already ({', '.join(found[:3])}{more}); export into a new or "
+                              "empty folder, or remove those files first")
+
+
+class _StreamingPlanner(DefaultSavePlanner):
+    """DCP's save planner over a state dict of meta tensors: each tensor's data is read when DCP writes it, and the
+    one before released, as DCP's writer keeps every tensor of a file referenced until the whole file is written
+    (read into memory of its own: a tensor mapping a safetensors file cannot be released)."""
+
+    def __init__(self, read: Callable[[str], torch.Tensor]):
+        super().__init__()
+        self.read, self.last = read, None
+
+    def resolve_data(self, write_item):
+        if self.last is not None:
+            self.last.untyped_storage().resize_(0)
+        self.last = self.read(write_item.index.fqn.removeprefix("model.")).clone()
+        return self.last
+
+
+def import_hf(folder: str | Path, root: str | Path, log: Callable[[str], None] = print) -> Path:
+    """Write hf:<folder> as the checkpoint of step 0 in the checkpoint folder `root`: the weights in their dtype, no
+    optimizer state, and a config.toml whose model settings are config.json's. init_from and resume take it."""
+    folder, root = Path(folder).expanduser(), Path(root).expanduser()
+    args = model_args_from_hf(folder)
+    if list_checkpoints(root):
+        raise CheckpointError(f"{root} holds checkpoints already; convert into a new or empty folder")
+    shapes = tensor_shapes(build(args).state_dict())  # with a tied model's output projection, as training saves it
+    found = _hf_tensors(folder, args, {name: shape for name, shape in shapes.items() if name != "output.weight"}
+                        if args.tie_embeddings else shapes)
+    found.setdefault("output.weight", found["tok_embeddings.weight"])
+    state = {"model": {name: torch.empty(shape, dtype=found[name][2], device="meta") for name, shape in shapes.items()}}
+    path = step_dir(root, 0)
+    path.mkdir(parents=True)
+    cfg = Config(model=model_config_from_hf(folder, ModelConfig()))
+    write_atomic(path / CONFIG, lambda f: f.write(to_toml(cfg).encode()))
+    writer = CheckpointWriter(str(path), thread_count=1, checksums=True)
+    with warnings.catch_warnings():  # DCP warns that no_dist saves in one process: that is the point
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+        dcp.save(state, storage_writer=writer, no_dist=True,
+                 planner=_StreamingPlanner(lambda name: _read_hf(name, found[name], args)))
+    write_marker(path, {"format": FORMAT, "step": 0, "consumed_samples": 0, "tokens_seen": 0, "world_size": 1,
+                        "mesh": {"dp_replicate": 1, "dp_shard": 1}, "global_batch": 0, "scheduler": None,
+                        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
+                        MODEL_CLASS: LLAMA_CLASS, WEIGHTS_ONLY: True}, writer.sums)
+    log(f"wrote {path} ({args.num_params() / 1e6:,.1f}M parameters): give it to --checkpoint.init_from, or resume "
+        f"from it with --checkpoint.dir {root} --config {path / CONFIG}")
+    return path
