@@ -48,10 +48,10 @@ from fsdp_trainer.distributed import ATTEMPT, BACKSTOP_S, logger, spans
 
 EXIT_HANG = 3
 # The longest a watchdog waits between looks, and for a call to the c10d store: the time to report is a few of them.
-POLL_S = 3.0
-# Polls after a rank's timeout at which its guard kills it: one to notice, two for the other ranks' reports, one to
+POLL_S = 2.0
+# Polls after a rank's timeout at which its guard kills it: one to notice, two for the other ranks' reports, two to
 # spare (a store that does not answer, the GPU probe).
-GUARD_POLLS = 4
+GUARD_POLLS = 5
 ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 REPORT = f"fsdp_trainer/stalled/{ATTEMPT}/{{}}"
 ALARM = f"fsdp_trainer/stalled/{ATTEMPT}/alarm"  # set by the first watchdog to time out: the others report at once
