@@ -5,7 +5,8 @@
 Faults, at the <step>-th call of train_step on the chosen rank(s): hang, crash, nan (its loss); stall (hangs,
 while the other ranks go on as they do under NCCL, whose steps only queue GPU work: they return at once, and so
 next wait in the stop/save vote or a save); stall_slow (the same, where the other ranks' steps take 3 s each,
-as a large model's would); term (SIGTERM to itself as the step begins, as from a scheduler).
+as a large model's would); term (SIGTERM to itself as the step begins, as from a scheduler); freeze, die (SIGSTOP,
+SIGKILL to itself as the step begins, after printing "<signal> at <time.time()>" and its pid).
 preempt: SIGUSR1 while the model is built, before the first step. slow_profile: writing the profile's trace takes
 <step> seconds longer. hang_restore: reading a checkpoint's files hangs (<step> unused), as on hung storage: a resume
 hangs in the restore. hang_writes: writing a checkpoint's files hangs (<step> unused), and the checkpointer's groups
@@ -47,6 +48,10 @@ def faulty_step(*args, **kwargs):
             raise RuntimeError("injected crash")
         if fault == "term":
             os.kill(os.getpid(), signal.SIGTERM)
+        if fault in ("freeze", "die"):
+            sig = signal.SIGSTOP if fault == "freeze" else signal.SIGKILL
+            print(f"[fault_worker] {sig.name} at {time.time()} to pid {os.getpid()}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), sig)
         if fault == "nan":
             F.cross_entropy = lambda *a, **k: real_cross_entropy(*a, **k) * float("nan")
             try:

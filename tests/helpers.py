@@ -13,7 +13,7 @@ import traceback
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -138,15 +138,42 @@ def checkout_env(**settings: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **settings}
 
 
-def launch_fault(fault: str, rank: str, step: int, *train_flags: str, nproc: int = 2,
-                 timeout: float = 180) -> tuple[subprocess.CompletedProcess, float]:
+def launch_fault(fault: str, rank: str, step: int, *train_flags: str, nproc: int = 2, timeout: float = 180,
+                 env: Optional[dict[str, str]] = None) -> tuple[subprocess.CompletedProcess, float]:
     """tests/fault_worker.py under torchrun: the trainer with every one of `train_flags`, and `fault` injected on
-    `rank` at its `step`-th step. Returns the finished process and the seconds it took."""
+    `rank` at its `step`-th step, `env` added to the environment. Returns the finished process and the seconds it
+    took."""
     worker = Path(__file__).with_name("fault_worker.py")
     cmd = [*TORCHRUN, f"--nproc_per_node={nproc}", str(worker), fault, rank, str(step), "--", *train_flags]
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, env=checkout_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env=checkout_env(**(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
     return proc, time.monotonic() - start
+
+
+def processes_with(variable: str, value: str, grace: float = 3.0) -> list[int]:
+    """The processes whose environment sets `variable` to `value` (a launch's, which its processes inherit), once
+    none is left or after `grace` seconds."""
+    entry, deadline = f"{variable}={value}".encode(), time.monotonic() + grace
+    while True:
+        found = []
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                if entry in environ.read_bytes().split(b"\0"):
+                    found.append(int(environ.parent.name))
+            except OSError:  # gone meanwhile, or not ours
+                pass
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+def blames(output: str, rank: int, pid: int) -> bool:
+    """Whether torchrun's failure summary at the end of `output` blames `rank` (process `pid`, on this host): as the
+    root cause itself, or in the root cause's message, as the watchdog's report names a rank."""
+    root = output.rpartition("Root Cause (first observed failure):")[2]
+    return (f"rank      : {rank} " in root and f"(pid: {pid})" in root) or \
+        f"{rank} on host {socket.gethostname()} (pid {pid})" in root
 
 
 def node_name(test: Callable, case: object = None) -> str:

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from typing import Optional
 
 import pytest
 
-from helpers import TINY_FLAGS, free_port, node_name, side_by_side
+from helpers import TINY_FLAGS, free_port, node_name, processes_with, side_by_side
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch"
@@ -348,6 +349,11 @@ def children(pid: int) -> list[int]:
     return kids
 
 
+def environ(pid: int) -> list[bytes]:
+    """The environment of process pid, as NAME=value entries."""
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
 def descendants(pid: int) -> list[int]:
     kids = children(pid)
     return kids + [d for k in kids for d in descendants(k)]
@@ -394,9 +400,11 @@ def wait_for_step(output_dir: Path, step: int, procs: list[subprocess.Popen], ti
     raise AssertionError(f"no step {step} in {output_dir}/metrics.jsonl after {timeout} s")
 
 
-def two_nodes(output_dir: Path, logs: Path, *extra: str, max_restarts: int = 0) -> list[subprocess.Popen]:
-    """The same multinode.sh command twice, as on two machines: NNODES=2, one process each, c10d on loopback."""
-    env = launch_env(NNODES="2", NGPU="1", HEAD=f"127.0.0.1:{free_port()}", JOB_ID=f"test-{output_dir.name}",
+def two_nodes(output_dir: Path, logs: Path, *extra: str, max_restarts: int = 0,
+              job: Optional[str] = None) -> list[subprocess.Popen]:
+    """The same multinode.sh command twice, as on two machines: NNODES=2, one process each, c10d on loopback.
+    JOB_ID is test-<job> (default: the output folder's name)."""
+    env = launch_env(NNODES="2", NGPU="1", HEAD=f"127.0.0.1:{free_port()}", JOB_ID=f"test-{job or output_dir.name}",
                      MAX_RESTARTS=str(max_restarts))
     args = ["bash", str(LAUNCH / "multinode.sh"), *TINY, "--train.steps", str(STEPS), "--checkpoint.interval",
             str(INTERVAL), "--train.output_dir", str(output_dir), *extra]
@@ -458,6 +466,38 @@ def test_elastic_restart_resumes_exactly(uninterrupted, tmp_path):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=0), (g, w)
     print(f"killed a rank after step {killed_at}; final loss {got[-1]['loss']!r} vs uninterrupted "
           f"{want[-1]['loss']!r} ({'bit-identical' if got[-1]['loss'] == want[-1]['loss'] else 'within 1e-6'})")
+
+
+@needs_proc
+@pytest.mark.slow
+def test_a_frozen_rank_0_ends_a_two_node_job_on_time_naming_it(tmp_path):
+    """SIGSTOP to rank 0, alone on its node and, as the launch scripts set, host of the ranks' c10d store: no rank
+    of its node can act, and the store stops answering. Its guard kills it, rank 1 names it by host and pid, and both
+    nodes have ended within dist.timeout_s + 15 s, with no process of theirs left."""
+    timeout_s, out, job = 4, tmp_path / "out", f"{tmp_path.parent.name}-{tmp_path.name}"  # unique on this machine
+    procs = two_nodes(out, tmp_path / "logs", "--train.steps", "1000", "--dist.timeout_s", str(timeout_s),
+                      "--checkpoint.interval", "0", "--checkpoint.no_save_final", job=job)
+    try:
+        wait_for_step(out, 3, procs, timeout=RUN_TIMEOUT)
+        # multinode.sh execs torchrun, so the launch's pid is the agent's and its children are the ranks.
+        (victim,) = [pid for p in procs for pid in children(p.pid) if b"RANK=0" in environ(pid)]
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+    except BaseException:
+        for p in procs:
+            stop_tree(p)
+        raise
+    codes = wait_all(procs, RUN_TIMEOUT)
+    assert time.monotonic() - stopped < timeout_s + 15
+    assert processes_with("JOB_ID", f"test-{job}") == []
+    logs = [(tmp_path / "logs" / f"node{i}.log").read_text() for i in range(2)]
+    assert codes[0] != 0 and codes[1] != 0, logs
+    # The package's last line on each node: rank 0's guard, rank 1's report (which rank 1's torchrun then quotes;
+    # rank 0's may end on its rendezvous store instead, gone with the other node's torchrun).
+    named = f"0 on host {socket.gethostname()} (pid {victim})"
+    for log in logs:
+        assert named in [line for line in log.splitlines() if " on host " in line][-1], log[-3000:]
+    assert f"suspect rank(s): {named}, which hosts the store" in logs[0] + logs[1]
 
 
 # A stand-in for torchrun: one "rank" that takes 2 s to install its stop handler, as a rank importing torch does,
