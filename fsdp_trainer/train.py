@@ -18,7 +18,6 @@ Runbook:
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import json
 import math
@@ -49,22 +48,15 @@ from fsdp_trainer.optim import (NonFiniteError, NonFiniteGuard, build_optimizer,
 from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile, apply_fsdp, init_weights
 # The tools this entry point wires in; no other core module imports them.
 from fsdp_trainer.tools.faults import RESTORING, Watchdog, describe_oom, enable_flight_recorder, requested_bytes
-from fsdp_trainer.tools.gpus import this_gpu
 from fsdp_trainer.tools.model_checks import check_own_model
-from fsdp_trainer.tools.plan import Plan, check_fits, remedy_after_oom
+from fsdp_trainer.tools.plan import Plan, planned_vs_measured, preflight, remedy_after_oom
 from fsdp_trainer.tools.profiling import OPTIMIZER_RANGE, StepProfiler
 from fsdp_trainer.tools.weights import load_weights, model_config_from_hf
 
 
-# A team's own model: `model_fn(cfg)` returns (model, block classes, groups) as README's "Your own model" describes
-# them, the model built on the meta device (init_weights then fills it, seeded by train.seed) or eagerly, with a
-# vocabulary of model.vocab_size (model_args_from_config(cfg.model).vocab_size: the flag, else the preset's), which
-# the data are checked against. ac.* and parallel.* apply to it as to Llama, counting its blocks; train.seq_len is
-# bounded by its max_seq_len attribute, if it has one, not by the preset's (that name only: a context named
-# block_size, as nanoGPT's, or n_positions, as Hugging Face's, is not read). Built on meta, a tied weight gets the
-# initialization of the module reset last, eager construction that of the parameter the tie keeps: the two match
-# only where the tie keeps the parameter of the module reset last (init_param, or a tie_weights() that does so, makes
-# them match).
+# A team's own model: `model_fn(cfg)` returns (model, block classes, groups), the model on the meta device
+# (init_weights fills it, seeded by train.seed) or built eagerly, with model.vocab_size rows for the data's ids;
+# tools/model_checks.py lists what it must satisfy, and README's "Your own model" shows one.
 ModelFn = Callable[[Config], tuple[nn.Module, Sequence[type], Sequence[Sequence[nn.Module]]]]
 
 
@@ -105,8 +97,7 @@ def build_model(cfg: Config, mesh, device: torch.device, model_fn: Optional[Mode
 
 
 def flops_per_token(model: nn.Module, args, seq_len: int, num_params: int) -> int:
-    """Training FLOPs per token for TFLOPs and MFU: Llama's exact count, a model's own flops_per_token(seq_len), or
-    else 6 per parameter (forward and backward of every weight once, attention not counted), said in the log."""
+    """Training FLOPs per token for MFU: Llama's count, a model's own flops_per_token(seq_len), else 6 per parameter."""
     if args is not None:
         return args.flops_per_token(seq_len)
     if hasattr(model, "flops_per_token"):
@@ -280,9 +271,8 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
 
 @contextlib.contextmanager
 def scheduled_gc(every: int):
-    """Python's garbage collector only at steps divisible by `every` (0 leaves it automatic). Yields the function
-    the loop calls after each step. Objects alive on entry (the model, the optimizer, the loader) are frozen out of
-    every collection, so each one only walks what the steps allocated since."""
+    """Python's garbage collector only every `every` steps (0: automatic), with what lives on entry (model,
+    optimizer, loader) frozen out of every collection."""
     if not every:
         yield lambda step: None
         return
@@ -298,20 +288,8 @@ def scheduled_gc(every: int):
             gc.enable()
 
 
-def planned_vs_measured(memory_plan: Plan, device: torch.device) -> dict:
-    """The plan's predicted allocator peak and reserved memory beside the measured ones, logged once after the
-    first steps."""
-    planned = memory_plan.predicted_peak_bytes / GiB
-    measured = torch.cuda.max_memory_allocated(device) / GiB
-    planned_reserved = memory_plan.predicted_reserved_bytes / GiB
-    logger.info(f"memory: planned peak {planned:.2f} GiB, measured {measured:.2f} GiB "
-                f"({100 * (planned / measured - 1):+.1f}%); planned reserved {planned_reserved:.2f} GiB")
-    return {"planned_peak_gib": planned, "measured_peak_gib": measured, "planned_reserved_gib": planned_reserved}
-
-
 def start_rows_file(output_dir: Path, start_step: int) -> Path:
-    """<output_dir>/metrics.jsonl, one row per logged step. A resumed run keeps the rows up to the step it resumes
-    from and drops later ones, which it is about to redo: the file reads as one run."""
+    """<output_dir>/metrics.jsonl; a resumed run drops the rows past its step, which it redoes."""
     path = output_dir / "metrics.jsonl"
     rows = path.read_text().splitlines() if start_step and path.is_file() else []
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -328,7 +306,7 @@ def _row_step(row: str) -> float:
 
 
 def append_row(path: Optional[Path], row: dict) -> None:
-    """Append a row as it is logged, so that a killed run leaves the rows of the steps it did (rank 0 only)."""
+    """Append a row as it is logged: a killed run leaves the rows of the steps it did (rank 0 only)."""
     if path is not None:
         with path.open("a") as f:
             f.write(json.dumps(row) + "\n")
@@ -362,7 +340,7 @@ def main(argv=None, model_fn: Optional[ModelFn] = None) -> None:
     if rank == 0:
         print(f"data: {dataset!r}", file=sys.stderr)
     try:
-        memory_plan = fits_or_exit(cfg, world_size, rank, own_model=model_fn is not None)
+        memory_plan = preflight(cfg, world_size, rank, model_fn is not None, copy_engines_all_gather(cfg, world_size))
     except ConfigError as err:  # each node plans for its own GPUs
         exit_with_error(f"[rank {rank}] {err}", show=first_on_node)
     if cfg.train.deterministic:
@@ -392,29 +370,6 @@ def exit_with_error(message: str, show: bool) -> NoReturn:
     if show:
         print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def fits_or_exit(cfg: Config, world_size: int, rank: int, own_model: bool = False) -> Optional[Plan]:
-    """On GPUs: the memory plan's summary, and a stop before anything is allocated if the run cannot fit."""
-    if not torch.cuda.is_available():
-        return None
-    if own_model:
-        if rank == 0:
-            print("memory plan: none for your own model; the planner knows only the Llama that --model.* describes",
-                  file=sys.stderr)
-        return None
-    local_rank = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-    # Planned as it will run here: the planner alone cannot know this host's NCCL and environment.
-    planned = copy.deepcopy(cfg)
-    planned.parallel.copy_engine_all_gather = copy_engines_all_gather(cfg, world_size)
-    memory_plan = check_fits(planned, world_size, this_gpu(local_rank))
-    if not memory_plan.fits and not cfg.memory.ignore_plan:
-        raise ConfigError(f"{memory_plan.summary_line()}. Apply a suggested change, or "
-                          "pass --memory.ignore_plan to start anyway. Details: python -m fsdp_trainer.tools.plan "
-                          "with the same flags")
-    if rank == 0:  # marginal: the headroom is inside the plan's error, a warning that names the change leaving it
-        print(("warning: " if memory_plan.verdict == "marginal" else "") + memory_plan.summary_line(), file=sys.stderr)
-    return memory_plan
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ from fsdp_trainer.metrics import GiB
 from fsdp_trainer.models.llama import build, model_args_from_config
 from fsdp_trainer.parallelize import apply_ac, block_ac_modes, init_weights
 from fsdp_trainer.tools.plan import (ERROR_BAND, Group, _moments, _note, _setup, block_saved_bytes,
-                                check_fits, ids_labels_bytes, op_ac_saved_bytes, parse_memory, plan, remedy_after_oom,
-                                rms_norm_saved_bytes)
+                                     check_fits, ids_labels_bytes, op_ac_saved_bytes, parse_memory, plan, preflight,
+                                     remedy_after_oom, rms_norm_saved_bytes)
 from fsdp_trainer.tools.gpus import GPUS, from_device
 from fsdp_trainer.tools.plan import main as plan_main
 
@@ -342,24 +342,21 @@ def test_the_error_band_is_the_worst_error_of_the_newest_held_out_table():
 
 
 def test_the_trainer_warns_of_a_marginal_plan_and_names_the_change_that_leaves_the_band(monkeypatch, capsys):
-    from fsdp_trainer import train
-
     memory = [BIG]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=memory[0]))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
-    monkeypatch.setattr(train, "copy_engines_all_gather", lambda cfg, world_size: True)
     cfg = cfg_for("--ac.mode", "op", "--parallel.compile")
-    total = train.fits_or_exit(cfg, 4, rank=0).total_bytes
+    total = preflight(cfg, 4, 0, False, True).total_bytes
     assert capsys.readouterr().err.startswith("memory plan: ")
     memory[0] = total + int(0.025 * total) // 2
-    marginal = train.fits_or_exit(cfg, 4, rank=0)  # starts: a warning, not a refusal
+    marginal = preflight(cfg, 4, 0, False, True)  # starts: a warning, not a refusal
     err = capsys.readouterr().err
     assert marginal.verdict == "marginal" and err.startswith("warning: memory plan: ") and "MARGINAL" in err
     assert f"to leave the band {marginal.suggestions[0].flags()}  ->" in err
-    assert train.fits_or_exit(cfg, 4, rank=1) and not capsys.readouterr().err  # rank 0 speaks for the node
+    assert preflight(cfg, 4, 1, False, True) and not capsys.readouterr().err  # rank 0 speaks for the node
 
 
 def test_reshard_policies_order_kept_parameters():
@@ -1031,11 +1028,9 @@ def test_the_gradients_row_says_when_they_are_reduced():
 
 
 def test_the_launch_plans_the_all_gather_this_host_will_run(monkeypatch):
-    """train.fits_or_exit plans the symmetric pool only where the copy engines' all-gather will run here (one host,
-    NCCL 2.28, cuMem on): elsewhere a run that fits would be refused for a pool it never creates."""
+    """The trainer's preflight plans the symmetric pool only where the copy engines' all-gather will run here (one
+    host, NCCL 2.28, cuMem on): elsewhere a run that fits would be refused for a pool it never creates."""
     from types import SimpleNamespace
-
-    from fsdp_trainer import train
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
@@ -1044,6 +1039,5 @@ def test_the_launch_plans_the_all_gather_this_host_will_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     cfg = cfg_for("--ac.mode", "op", "--parallel.compile")
     for applies, row_name in ((True, "all-gather symmetric memory pool"), (False, "all-gather stream's buffers")):
-        monkeypatch.setattr(train, "copy_engines_all_gather", lambda cfg, world_size: applies)
-        assert row_name in [r.name for r in train.fits_or_exit(cfg, 4, rank=1).rows]
+        assert row_name in [r.name for r in preflight(cfg, 4, 1, False, applies).rows]
     assert cfg.parallel.copy_engine_all_gather  # the run's own config is left as it was

@@ -65,6 +65,7 @@ import torch
 
 from fsdp_trainer.config import (Config, ConfigError, grads_in_compute_pool, mesh_shape, parse_args,
                                  resolve_param_dtype, validate)
+from fsdp_trainer.distributed import logger
 from fsdp_trainer.metrics import GiB
 from fsdp_trainer.models.llama import ModelArgs, build, model_args_from_config
 from fsdp_trainer.parallelize import block_ac_modes
@@ -1146,6 +1147,41 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     result.assumed = _in_words(assumed)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
     sys.exit(0 if result.fits else 1)
+
+
+def preflight(cfg: Config, world_size: int, rank: int, own_model: bool, copy_engines: bool) -> Optional[Plan]:
+    """The trainer's check on GPUs: the plan's summary, and a ConfigError before anything is allocated if the run
+    cannot fit (`copy_engines`: whether this host runs the all-gathers in symmetric memory, as the trainer decided)."""
+    if not torch.cuda.is_available():
+        return None
+    if own_model:
+        if rank == 0:
+            print("memory plan: none for your own model; the planner knows only the Llama that --model.* describes",
+                  file=sys.stderr)
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    # Planned as it will run here: the planner alone cannot know this host's NCCL and environment.
+    planned = copy.deepcopy(cfg)
+    planned.parallel.copy_engine_all_gather = copy_engines
+    memory_plan = check_fits(planned, world_size, this_gpu(local_rank))
+    if not memory_plan.fits and not cfg.memory.ignore_plan:
+        raise ConfigError(f"{memory_plan.summary_line()}. Apply a suggested change, or "
+                          "pass --memory.ignore_plan to start anyway. Details: python -m fsdp_trainer.tools.plan "
+                          "with the same flags")
+    if rank == 0:  # marginal: the headroom is inside the plan's error, a warning that names the change leaving it
+        print(("warning: " if memory_plan.verdict == "marginal" else "") + memory_plan.summary_line(), file=sys.stderr)
+    return memory_plan
+
+
+def planned_vs_measured(memory_plan: Plan, device: torch.device) -> dict:
+    """The plan's predicted allocator peak and reserved memory beside the measured ones, logged once after the
+    first steps."""
+    planned = memory_plan.predicted_peak_bytes / GiB
+    measured = torch.cuda.max_memory_allocated(device) / GiB
+    planned_reserved = memory_plan.predicted_reserved_bytes / GiB
+    logger.info(f"memory: planned peak {planned:.2f} GiB, measured {measured:.2f} GiB "
+                f"({100 * (planned / measured - 1):+.1f}%); planned reserved {planned_reserved:.2f} GiB")
+    return {"planned_peak_gib": planned, "measured_peak_gib": measured, "planned_reserved_gib": planned_reserved}
 
 
 if __name__ == "__main__":
