@@ -155,6 +155,7 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_kill_during_saves_then_resume_is_bit_identical(reference, tmp_path):
     """SIGKILL while an async save is in flight (after a random delay), then while rank 0 is about to commit; each
     time resume auto takes the newest complete checkpoint and names the partial ones, the partial folder in the
@@ -184,6 +185,7 @@ def test_kill_during_saves_then_resume_is_bit_identical(reference, tmp_path):
     assert not list(root.rglob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_stop_signal_to_one_rank_saves_and_exits_0(reference, tmp_path):
     """SIGTERM to rank 1 only, as its step 3 begins: both ranks stop at the same step, save it, exit 0; time-based
     saves (interval_minutes, decided by rank 0) happened meanwhile; the resumed run ends bit-identical."""
@@ -203,6 +205,7 @@ def test_stop_signal_to_one_rank_saves_and_exits_0(reference, tmp_path):
     assert_rows_equal(rows(out), rows(reference), range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_resume_on_other_world_sizes_and_meshes(reference, tmp_path):
     """2 ranks -> 4 ranks HSDP (2x2) -> 2 ranks with gradient accumulation, the global batch kept at 4: the
     losses follow the uninterrupted run up to reduction order and every step reads the same samples."""
@@ -221,6 +224,7 @@ def test_resume_on_other_world_sizes_and_meshes(reference, tmp_path):
     assert_rows_equal(rows(back), rows(reference), range(7, STEPS + 1), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_saved_on_8_ranks_resumes_on_4(tmp_path):
     """The 8-GPU node's checkpoint continued on half the GPUs: 8 x 1 sample per step, then 4 x 2."""
     eight = tmp_path / "eight"
@@ -262,6 +266,7 @@ def train_dropout_gpt2(cfg) -> tuple[list[float], list[torch.Tensor]]:
     return [row["loss"] for row in result["history"]], result["model"].masks
 
 
+@pytest.mark.slow
 def test_each_resumed_rank_continues_its_own_random_streams(tmp_path):
     """A model drawing from torch's and Python's RNGs (dropout) resumed on the same world size: each rank continues
     its own saved streams, and the losses are the uninterrupted run's, bit for bit. Resumed on one rank, that rank
@@ -298,6 +303,7 @@ def small(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_checkpoint_counts_the_tokens_of_the_samples_it_consumed(small):
     """tokens_seen, which a resume reports, is the samples consumed x train.seq_len: 2 samples of 32 tokens a step."""
     for step in (2, 4):
@@ -335,6 +341,7 @@ def same_state(got: torch.Tensor, want: torch.Tensor) -> bool:
     return got.shape == want.shape and bool((got - want).abs().max() <= 1e-6 * want.abs().max())
 
 
+@pytest.mark.slow
 def test_async_and_sync_saves_hold_the_same_tensors(small, tmp_path):
     """none, async and async_pinned: the same model, optimizer and RNG tensors in every checkpoint, also in one
     saved while training went on, and the same export (to float32 rounding: see same_state)."""
@@ -363,6 +370,7 @@ def test_async_and_sync_saves_hold_the_same_tensors(small, tmp_path):
         assert got.keys() == want.keys() and all(same_state(got[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
 def test_a_failing_step_still_commits_the_save_in_flight(tmp_path, monkeypatch):
     """An error in training while an async save is in flight: the save completes and counts."""
     import fsdp_trainer.train as train
@@ -380,6 +388,7 @@ def test_a_failing_step_still_commits_the_save_in_flight(tmp_path, monkeypatch):
     assert complete_steps(tmp_path / "checkpoints") == [2]
 
 
+@pytest.mark.slow
 def test_async_pinned_allocates_its_staging_buffers_after_the_first_step(tmp_path, capfd):
     """The host copy of the state is allocated once, at step 1, not inside the first save (saved at step 3)."""
     train_in_process("--train.steps", "3", "--checkpoint.interval", "3", "--checkpoint.async_mode", "async_pinned",
@@ -391,6 +400,7 @@ def test_async_pinned_allocates_its_staging_buffers_after_the_first_step(tmp_pat
     assert complete_steps(tmp_path / "checkpoints") == [3]
 
 
+@pytest.mark.slow
 def test_saving_before_the_first_applied_step_leaves_the_optimizer_as_it_was(tmp_path, monkeypatch):
     """Step 1 is skipped as non-finite, so AdamW has no state when async_pinned sizes its buffers after it, or when
     step 1 is saved. torch's get_state_dict creates the state by an AdamW step at lr 0, which counts a step: the
@@ -458,6 +468,7 @@ def test_pinned_stager_takes_rng_state_after_python_random_was_used():
     assert random.getstate() == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_and_import_round_trip(tmp_path, tied):
     """The export holds exactly the trained weights; init_from <checkpoint> and init_from hf:<export> give them back;
@@ -536,6 +547,7 @@ def assert_init_from_gives(cfg, source: str, want: dict[str, torch.Tensor]) -> N
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), source
 
 
+@pytest.mark.slow
 def test_export_refuses_a_folder_with_weights_and_import_a_folder_with_two_sets(small, tmp_path, capsys):
     """An earlier export's files that a new one would not replace (a sharded model's index and shards) would be
     what init_from hf: loads: export refuses such a folder and deletes nothing; a folder holding both
@@ -568,6 +580,7 @@ def test_export_refuses_a_folder_with_weights_and_import_a_folder_with_two_sets(
         weights.load_weights(build(args, device="cpu"), f"hf:{new}", args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["missing", "empty"])
 def test_export_of_a_checkpoint_without_its_config_names_it_and_writes_nothing(small, tmp_path, capsys, damage):
     """A checkpoint's config.toml is the only record of its model's settings: without it, export stops before
@@ -589,6 +602,7 @@ def test_export_of_a_checkpoint_without_its_config_names_it_and_writes_nothing(s
     assert ck.unusable_reason(step) is None
 
 
+@pytest.mark.slow
 def test_config_toml_and_the_folder_are_on_disk_before_the_marker_commits_the_checkpoint(tmp_path, monkeypatch):
     """A crash, power loss included, must never commit a checkpoint with an empty or partial config.toml, export's
     only record of the model: the file gets its name only once whole and on disk, and that name is on disk before
@@ -676,6 +690,7 @@ def test_rope_row_permutation():
     assert torch.equal(weights.from_hf_rows(weights.to_hf_rows(w, heads), heads), w)
 
 
+@pytest.mark.slow
 def test_shape_mismatch_names_key_and_shapes_and_deletes_nothing(small, capsys):
     before = tree(small)
     for resume in (str(small / "checkpoints/step_00000004"), "auto"):
@@ -689,6 +704,7 @@ def test_shape_mismatch_names_key_and_shapes_and_deletes_nothing(small, capsys):
     assert tree(small) == before
 
 
+@pytest.mark.slow
 def test_resume_refuses_missing_partial_and_corrupt_checkpoints(small, tmp_path, capsys):
     root = tmp_path / "checkpoints"
     shutil.copytree(small / "checkpoints", root)
@@ -735,6 +751,7 @@ def test_resume_refuses_missing_partial_and_corrupt_checkpoints(small, tmp_path,
     assert tree(root) == before
 
 
+@pytest.mark.slow
 def test_init_from_a_corrupt_checkpoint_or_hf_folder_names_the_file(small, tmp_path, capsys):
     """A truncated shard fails inside DCP with a CheckpointException, which is a BaseException: it must still end
     as one clear error, and so must unreadable Hugging Face JSON files."""
@@ -776,6 +793,7 @@ def test_init_from_a_corrupt_checkpoint_or_hf_folder_names_the_file(small, tmp_p
         weights.load_weights(build(args, device="cpu"), f"hf:{hf}", args)
 
 
+@pytest.mark.slow
 def test_a_marker_changed_since_the_save_is_unusable(small, tmp_path, capsys):
     """A digit changed in trainer_state.json (consumed_samples 8 -> 9) would resume one sample on: the marker's own
     CRC32 catches it, at resume, in verify and in list; with the sum's line deleted (an edit on purpose) it loads."""
@@ -801,6 +819,7 @@ def test_a_marker_changed_since_the_save_is_unusable(small, tmp_path, capsys):
     assert ck.read_trainer_state(ck.step_dir(root, 4))["consumed_samples"] == 9
 
 
+@pytest.mark.slow
 def test_a_marker_without_the_resume_fields_is_unusable_and_list_says_so(small, tmp_path, capsys):
     root = tmp_path / "checkpoints"
     shutil.copytree(small / "checkpoints", root)
@@ -831,6 +850,7 @@ def test_a_marker_without_the_resume_fields_is_unusable_and_list_says_so(small, 
     assert f"{tmp_path / 'nope'}: no such folder" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_retention_deletes_incomplete_folders_older_than_the_newest_complete_one(tmp_path, capfd):
     """What a crash mid-save or mid-deletion left goes once a newer checkpoint is complete; a newer incomplete
     folder stays (the save of its step clears it)."""
@@ -845,6 +865,7 @@ def test_retention_deletes_incomplete_folders_older_than_the_newest_complete_one
         capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_training_never_waits_for_retention_to_finish_deleting(tmp_path, monkeypatch, capfd):
     """Deleting old checkpoints on slow storage may outlast a step, and a rank 0 that waited for it at the next
     commit would look hung to the other ranks' watchdogs. Here the first deletion cannot finish before step 4 has
@@ -871,6 +892,7 @@ def test_training_never_waits_for_retention_to_finish_deleting(tmp_path, monkeyp
     assert [step for step, _ in ck.list_checkpoints(tmp_path / "checkpoints")] == [5]
 
 
+@pytest.mark.slow
 def test_links_to_folders_elsewhere_are_deleted_never_what_they_link_to(small, tmp_path):
     """A step_* link to another run's checkpoint (to resume from it) and one to an interrupted save elsewhere: the save
     of step 3 clears its link and writes a folder of its own, retention deletes the link to step 2, and the folders
@@ -889,6 +911,7 @@ def test_links_to_folders_elsewhere_are_deleted_never_what_they_link_to(small, t
     assert [p.name for p in root.iterdir()] == ["step_00000004"] and complete_steps(root) == [4]
 
 
+@pytest.mark.slow
 def test_resume_refuses_to_mix_runs_in_one_folder(small, capsys):
     for resume in ("none", str(small / "checkpoints/step_00000002")):
         with pytest.raises(SystemExit):
@@ -910,6 +933,7 @@ def restore_with_seed_by_rank(out: str, seeds: list[int]) -> str:
     return "restored"
 
 
+@pytest.mark.slow
 def test_ranks_reading_other_data_than_rank_0_stop_every_rank(tmp_path):
     """A node-local copy of the data that differs: every rank stops with the same error, naming the rank and the
     difference, instead of rank 0 going on alone (and later blaming the checkpoint for the broken group)."""
@@ -920,6 +944,7 @@ def test_ranks_reading_other_data_than_rank_0_stop_every_rank(tmp_path):
     assert run_ranks(restore_with_seed_by_rank, 2, str(tmp_path), [4, 4]) == ["restored"] * 2
 
 
+@pytest.mark.slow
 def test_rerunning_an_explicit_resume_continues_its_own_checkpoints(small, tmp_path, capfd):
     """A run begun with --checkpoint.resume <checkpoint> into a new folder, then run again as launched (a requeue
     after preemption): it resumes its own newest checkpoint, not the one named, also once the one named is gone; a
@@ -947,6 +972,7 @@ def test_rerunning_an_explicit_resume_continues_its_own_checkpoints(small, tmp_p
     assert sorted(rows(out)) == [3, 4, 5, 6, 7, 8]  # no step trained twice
 
 
+@pytest.mark.slow
 def test_resume_refuses_other_data_unless_allowed(small, tmp_path, capfd):
     """The saved sample count is a position in the saved data's order: resuming on other data is an error that
     names the change and deletes nothing, unless checkpoint.allow_data_change says it is meant."""
@@ -977,6 +1003,7 @@ def test_a_checkpoint_of_the_same_data_in_another_sample_order_names_the_only_wa
         ck.Checkpointer._check_data(checkpointer, tmp_path, {"data": saved, "consumed_samples": 8})
 
 
+@pytest.mark.slow
 def test_an_unusable_marker_is_an_error_and_never_deleted(small, tmp_path, capfd):
     """A committed checkpoint whose marker is of another format (a newer fsdp_trainer's, say) is no interrupted
     save: resume auto stops at it instead of resuming from an older one, resume from an older one refuses to save
@@ -1008,6 +1035,7 @@ def test_an_unusable_marker_is_an_error_and_never_deleted(small, tmp_path, capfd
     assert complete_steps(root) == [6] and tree(step2) == kept
 
 
+@pytest.mark.slow
 def test_resuming_from_elsewhere_into_a_folder_with_older_checkpoints_of_another_run_is_refused(small, tmp_path,
                                                                                                  capfd):
     """Older checkpoints are a run's own past only in its own folder: resumed from a checkpoint elsewhere, a run
@@ -1029,6 +1057,7 @@ def test_resuming_from_elsewhere_into_a_folder_with_older_checkpoints_of_another
     assert f"resuming from {tmp_path / 'latest'}: step 2" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_each_way_past_a_corrupt_checkpoint_works(small, tmp_path, capfd):
     """A truncated shard in the newest checkpoint: the error names it and gives two ways on,
     and each works as written (resume from an earlier one in the same folder would mix two runs)."""
@@ -1053,6 +1082,7 @@ def test_each_way_past_a_corrupt_checkpoint_works(small, tmp_path, capfd):
     assert f"resuming from {step2}" in capfd.readouterr().err and complete_steps(root) == [2, 4, 6]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata"])
 def test_verify_names_a_changed_file(small, tmp_path, capsys, name):
     """One flipped bit in a summed file: `verify` and export name the file, and export writes nothing;
@@ -1083,6 +1113,7 @@ def test_verify_names_a_changed_file(small, tmp_path, capsys, name):
     assert exit_info.value.code == 2 and f"{ck.NO_CHECKSUMS}, so it cannot be verified" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_flipped_bit_in_a_shard_stops_resume_on_every_rank(reference, tmp_path):
     """DCP keeps no checksums: a shard changed after the save loads without a word (as --checkpoint.no_checksums
     shows at the end). The marker holds the size and CRC32 of both ranks' files; each rank checks its share while
@@ -1123,6 +1154,7 @@ def check_with_an_unreadable_file(step: str, unreadable: str) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_a_file_that_cannot_be_read_is_reported_by_every_rank(small):
     """An I/O error while one rank checks its share is a problem like any other: every rank raises the same
     CheckpointError, where one rank's OSError would leave the other waiting for it in the exchange of results."""
@@ -1134,6 +1166,7 @@ def test_a_file_that_cannot_be_read_is_reported_by_every_rank(small):
     assert messages[0].endswith("the fix")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
 def test_an_interrupt_while_a_checkpoint_loads_stops_its_check_at_once(small, monkeypatch, interrupt):
     """Ctrl-C, or an exit, while the block of checked() reads the checkpoint: the interrupt goes on at once, and no
@@ -1189,6 +1222,7 @@ def fail_in_an_extra_writer_thread(monkeypatch, owner, name: str, error_for: Cal
     ("none", [], "write ENOSPC"), ("async", [], "open EACCES"),
     ("none", ["--checkpoint.no_checksums"], "open EACCES"), ("async", ["--checkpoint.no_checksums"], "write ENOSPC")],
     ids=["sync-checksums-ENOSPC", "async-checksums-EACCES", "sync-no_checksums-EACCES", "async-no_checksums-ENOSPC"])
+@pytest.mark.slow
 def test_a_failed_extra_writer_thread_is_named_in_one_line_and_never_committed(small, tmp_path, monkeypatch, mode,
                                                                                checksums, fault):
     """torch only prints the error of a writer thread other than the first, and without our check DCP would commit
@@ -1224,6 +1258,7 @@ def test_a_failed_extra_writer_thread_is_named_in_one_line_and_never_committed(s
         all_tensors(latest.path)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_writer_thread_that_failed_outside_its_file_is_never_committed(tmp_path, monkeypatch):
     """An error before a thread opens its file reaches no file system: the tensors it did not write still fail the
@@ -1238,6 +1273,7 @@ def test_a_writer_thread_that_failed_outside_its_file_is_never_committed(tmp_pat
     assert complete_steps(out / "checkpoints") == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["none", "async"])
 def test_a_failed_save_names_its_cause_in_one_line(tmp_path, monkeypatch, capsys, mode):
     """DCP's error holds every failing rank's traceback: the message names the first one's error, the traceback
@@ -1260,6 +1296,7 @@ def test_a_failed_save_names_its_cause_in_one_line(tmp_path, monkeypatch, capsys
     assert (f"checkpoint step 1 ({mode}): training blocked" in capsys.readouterr().err) == (mode != "none")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["none", "async", "async_pinned"])
 def test_async_saves_write_while_the_next_step_trains(tmp_path, monkeypatch, mode):
     """The save of step 1 cannot write a byte until step 2 has begun: asynchronous modes train on meanwhile, where
@@ -1301,6 +1338,7 @@ def test_on_the_saving_world_size_each_rank_checks_the_files_it_wrote_and_loads(
     assert ck._share(names, 1, 2, 11) == names[1::2]  # resharded: no rank loads one rank's files
 
 
+@pytest.mark.slow
 def test_a_checkpoint_saved_without_checksums_resumes_and_says_so(tmp_path, capfd):
     out = tmp_path / "run"
     train_in_process("--train.steps", "2", "--checkpoint.async_mode", "none", "--checkpoint.no_checksums",
@@ -1314,6 +1352,7 @@ def test_a_checkpoint_saved_without_checksums_resumes_and_says_so(tmp_path, capf
         summed_files(out / "checkpoints/step_00000003")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("named", [False, True], ids=["auto", "named"])
 def test_a_resume_reads_each_marker_and_sums_each_file_once(small, tmp_path, monkeypatch, named):
     """The marker resume checked is the one it loads by (read again, it could say otherwise), ways_past reads no
@@ -1346,6 +1385,7 @@ def test_a_resume_reads_each_marker_and_sums_each_file_once(small, tmp_path, mon
     assert sums == Counter(summed_files(step4))
 
 
+@pytest.mark.slow
 def test_a_resumed_optimizer_takes_this_run_s_settings_and_the_saved_state(small, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(small / "checkpoints", out / "checkpoints")
@@ -1357,6 +1397,7 @@ def test_a_resumed_optimizer_takes_this_run_s_settings_and_the_saved_state(small
     assert all(state["step"] == 5 for state in result["optimizer"].state.values())  # the saved 4, plus this one
 
 
+@pytest.mark.slow
 def test_tied_and_untied_embeddings_never_load_into_each_other_silently(small, tmp_path, capfd):
     """`small` is untied. Resuming it tied is refused; so is init_from it into a tied model (one of its two tensors
     would overwrite the other); a tied checkpoint unties into two copies of its one tensor."""
@@ -1382,6 +1423,7 @@ def test_tied_and_untied_embeddings_never_load_into_each_other_silently(small, t
     assert torch.equal(tied["output.weight"], tied["tok_embeddings.weight"])
 
 
+@pytest.mark.slow
 def test_resume_with_other_heads_rope_or_eps_of_the_same_shapes_is_refused(small, tmp_path, capfd):
     """8 heads of 8 and 4 kv heads of 8 hold the tensors of 4 heads of 16 and 2 kv heads of 16, shape for shape, and
     another RoPE or norm eps changes no shape: each would resume without a word and train another function."""
@@ -1420,6 +1462,7 @@ def test_resume_with_other_heads_rope_or_eps_of_the_same_shapes_is_refused(small
                 weights.load_weights(build(args, device="cpu"), str(out / "checkpoints"), args)
 
 
+@pytest.mark.slow
 def test_resume_with_another_seq_len_is_refused(small, tmp_path, capfd):
     """consumed_samples counts windows of the saved train.seq_len (data.py): another length would read other
     windows, skipping or repeating data. The new run from its weights that the error suggests works."""
@@ -1436,6 +1479,7 @@ def test_resume_with_another_seq_len_is_refused(small, tmp_path, capfd):
     assert f"initialized the model from {step4}" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_finished_run_resumes_to_nothing(small, capsys):
     before = tree(small)
     main([*TINY, "--train.steps", "4", "--train.output_dir", str(small)])
@@ -1443,6 +1487,7 @@ def test_finished_run_resumes_to_nothing(small, capsys):
     assert tree(small) == before
 
 
+@pytest.mark.slow
 def test_signal_handlers_restored_and_second_signal_exits_at_once():
     previous = signal.getsignal(signal.SIGTERM)
     stop = ck.StopSignals(rank=0)
@@ -1465,6 +1510,7 @@ def test_signal_handlers_restored_and_second_signal_exits_at_once():
 GLOO_TIMEOUT = "[../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 6000ms for send operation to complete"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapped", [False, True], ids=["raised", "gathered_by_dcp"])
 def test_a_load_that_lost_a_peer_does_not_blame_the_files(small, monkeypatch, wrapped):
     """A rank that stops answering while the ranks load (stuck reads, a dead host) fails the others' collectives
@@ -1548,6 +1594,7 @@ def test_a_rank_keeps_one_written_mark_per_save_in_flight_and_saves_on_without_t
     assert "should the save of step 16 fail, this rank may be named" in caplog.text
 
 
+@pytest.mark.slow
 def test_an_own_model_s_checkpoint_names_its_class_and_no_llama_preset(tmp_path):
     """config.toml's --model.* settings describe a preset an own-model run never trained: a checkpoint records the
     model's class instead, mismatch errors name it rather than those flags, and export refuses it up front with a
@@ -1573,6 +1620,7 @@ def test_an_own_model_s_checkpoint_names_its_class_and_no_llama_preset(tmp_path)
     assert "--model." not in str(misfit.value)
 
 
+@pytest.mark.slow
 def test_a_damaged_copy_outside_a_run_s_step_folders_is_not_told_to_be_renamed(small, tmp_path, capsys):
     """Renaming a folder that is no run's step_<number> changes nothing, and resume auto never looked at it: the
     ways on are copying it again or another checkpoint."""

@@ -169,6 +169,7 @@ def test_of_two_prepares_into_one_folder_the_second_is_refused(tmp_path, monkeyp
     assert second[0] is not None and len(load_shards(str(tmp_path / "out"))) == 100
 
 
+@pytest.mark.slow
 def test_a_killed_prepare_leaves_a_folder_that_is_refused(tmp_path):
     """A prepare killed after some shards (SIGKILL, the OOM killer) cannot clean up: its complete shards must not
     pass for the whole data."""
@@ -431,6 +432,7 @@ def test_a_global_batch_larger_than_the_data_is_refused(shards):
                          dp_size=8)
 
 
+@pytest.mark.slow
 def test_the_trainer_refuses_a_global_batch_larger_than_the_data_before_it_starts(shards, tmp_path):
     out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--data.source", "tokens", "--data.path",
                           str(shards), "--model.vocab_size", str(VOCAB), "--train.seq_len", str(SEQ_LEN),
@@ -447,6 +449,7 @@ def test_sampler_lays_out_each_step_micro_batch_major_from_the_start_sample():
     assert [next(sampler) for _ in range(4)] == [[6, 7], [10, 11], [14, 15], [18, 19]]
 
 
+@pytest.mark.slow
 def test_loader_with_a_worker_matches_in_process_loading(shards):
     in_process = run_steps(tokens_cfg(shards), b=2, accum=2, dp=2, steps=12)
     with_workers = run_steps(tokens_cfg(shards, num_workers=1), b=2, accum=2, dp=2, steps=12)
@@ -512,6 +515,7 @@ def real_stdlib_cache(tmp_path_factory) -> str:
     return str(cache)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_starting_the_loader_leaves_the_global_random_stream_alone(num_workers):
     """A resume restores the random state, then starts the loader: it must not draw from that state."""
@@ -541,6 +545,7 @@ def rank_main(rank: int, shards: str, lib: str, cache: str):
     return [(next(it)[0][:, 0] // SEQ_LEN).tolist() for _ in range(3)]
 
 
+@pytest.mark.slow
 def test_several_processes(shards, tmp_path):
     fake_stdlib(tmp_path / "lib")
     args = (str(shards), str(tmp_path / "lib"), str(tmp_path / "cache"))
@@ -670,6 +675,7 @@ def write_bad_token_shards(folder: Path) -> None:
     write_false_shard(folder / "b.bin", tokens[4:], 257)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_token_ids_past_the_vocabulary_are_refused_when_read(tmp_path, num_workers):
     write_bad_token_shards(tmp_path / "bad")
@@ -736,6 +742,7 @@ def test_write_shard_refuses_ids_outside_the_vocabulary(tmp_path):
         assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_a_loader_left_running_does_not_hang_the_exit(shards):
     """Workers ignore SIGTERM, with which Python's exit stops leftover children before waiting for them: a process
     that ends while it still references a running loader (as a traceback does) must stop its workers first."""
@@ -749,6 +756,7 @@ def test_a_loader_left_running_does_not_hang_the_exit(shards):
     assert out.returncode == 0 and out.stdout == "read a batch\n", out.stderr
 
 
+@pytest.mark.slow
 def test_bad_token_ids_end_the_run_with_the_message(tmp_path):
     write_bad_token_shards(tmp_path / "bad")
     out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--data.source", "tokens", "--data.path",

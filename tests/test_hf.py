@@ -111,6 +111,7 @@ def test_unsupported_rope_types_are_refused_by_name(style, tmp_path, capsys, kin
         weights.model_config_from_hf(tmp_path, ModelConfig())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", ["3.2"], indirect=True)
 def test_init_from_hf_sets_the_model_and_a_converted_checkpoint_resumes_the_same(style, tmp_path, capfd):
     """--checkpoint.init_from hf:DIR trains the model of its config.json, no --model flag given, and records every

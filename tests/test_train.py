@@ -378,6 +378,7 @@ def test_default_run_trains_and_writes_logs(tmp_path):
     assert any((out / "tb").iterdir())
 
 
+@pytest.mark.slow
 def test_main_checks_the_data_before_the_process_group_and_trains_on_what_it_checked(tmp_path, monkeypatch):
     built = []
 
@@ -394,6 +395,7 @@ def test_main_checks_the_data_before_the_process_group_and_trains_on_what_it_che
     assert len(built) == 1 and (tmp_path / "metrics.jsonl").is_file()
 
 
+@pytest.mark.slow
 def test_without_a_launcher_a_stray_world_size_is_ignored(tmp_path, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")  # left by another tool: without RANK no launcher set it

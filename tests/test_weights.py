@@ -152,6 +152,7 @@ def checkpoint(tmp_path_factory) -> Path:
     (("[model]\n", "[model]\ntie_embeddings = true\n"), "tie_embeddings = true in it, but the output projection "
                                                         "saved there is not the embedding. "),
 ])
+@pytest.mark.slow
 def test_export_refuses_a_config_toml_of_another_model(checkpoint, tmp_path, wrong, message):
     """saved_config asks for the run's config.toml where it is lost: one copied from another run would have blocks
     left out of the export, or the output projection replaced by the embedding."""
