@@ -67,7 +67,7 @@ ReshardPolicy = Literal["default", "always", "never"]
 class DataConfig:
     source: Literal["stdlib", "tokens", "synthetic"] = "stdlib"
     """stdlib: the Python standard library's source, byte-tokenized and cached (no download);
-    tokens: pre-tokenized shards made by `python -m fsdp_trainer.data prepare`; synthetic: random tokens."""
+    tokens: pre-tokenized shards made by `python -m fsdp_trainer.tools.prepare`; synthetic: random tokens."""
     path: Optional[str] = None
     """Folder of token shards for source=tokens (and only for it: set with another source, it is refused)."""
     seed: int = 0
