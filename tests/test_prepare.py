@@ -33,8 +33,7 @@ def test_prepare_round_trip(tmp_path, capsys):
     assert stream.read(0, len(stream)).tolist() == expected
     assert len(expected) == 28 and [s.num_tokens for s in stream.shards] == [7, 7, 7, 7]
     meta = json.loads((tmp_path / "out" / "shard_00000.json").read_text())
-    assert meta == {"dtype": "uint16", "num_tokens": 7, "vocab_size": 257, "tokenizer": "bytes",
-                    data.IDS_BOUNDED: True}
+    assert meta == {"dtype": "uint16", "num_tokens": 7, "vocab_size": 257, "tokenizer": "bytes"}
     assert not list((tmp_path / "out").glob(".*"))  # every temporary file was renamed into place
     assert not (tmp_path / "out" / UNFINISHED).exists()
     assert f"{len(expected):,} tokens" in capsys.readouterr().out

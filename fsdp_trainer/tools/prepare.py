@@ -16,7 +16,8 @@ from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from fsdp_trainer.data import BYTE_EOS, BYTE_VOCAB_SIZE, UNFINISHED, _is_sidecar, _visible, fsync_folder, write_shard
+from fsdp_trainer.data import (BYTE_EOS, BYTE_VOCAB_SIZE, UNFINISHED, fsync_folder, is_sidecar, shard_files,
+                               write_shard)
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 _EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
@@ -148,7 +149,7 @@ def _documents(path: Path) -> Iterator[bytes]:
 
 def _holds_shards(root: Path) -> bool:
     """Whether load_shards would find a shard, or a shard's sidecar, in root."""
-    return bool(_visible(root, "*.bin")) or any(map(_is_sidecar, _visible(root, "*.json")))
+    return bool(shard_files(root, ".bin")) or any(map(is_sidecar, shard_files(root, ".json")))
 
 
 def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = None,
