@@ -66,7 +66,7 @@ ReshardPolicy = Literal["default", "always", "never"]  # parallel.reshard_after_
 @dataclass
 class DataConfig:
     source: Literal["stdlib", "tokens", "synthetic"] = "stdlib"
-    """stdlib: Python's own source, byte-tokenized; tokens: shards of `python -m fsdp_trainer.data prepare`."""
+    """stdlib: Python's own source, byte-tokenized; tokens: shards of `python -m fsdp_trainer.tools.prepare`."""
     path: Optional[str] = None
     """Folder of token shards for source=tokens (refused with any other source)."""
     seed: int = 0

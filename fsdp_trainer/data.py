@@ -1,13 +1,8 @@
 """Training data: token shards, the sample order, and each rank's data loader.
 
-    python -m fsdp_trainer.data prepare books/ chats.jsonl data/shards                 # byte-level tokens
-    python -m fsdp_trainer.data prepare books/ data/shards --tokenizer tokenizer.json  # a Hugging Face tokenizer
-    python -m fsdp_trainer.train --data.source tokens --data.path data/shards
-
 A shard is `<name>.bin` (little-endian uint16, or uint32 for vocabularies over 65536) plus a sidecar `<name>.json`
-{"dtype", "num_tokens", "vocab_size", "tokenizer"}. A folder's shards form one token stream in sorted file order,
-documents separated by an end-of-document token. The built-in byte tokenizer maps byte b to token b and uses 256
-as the separator, so byte data needs model.vocab_size >= 257.
+{"dtype", "num_tokens", "vocab_size", "tokenizer"}; `python -m fsdp_trainer.tools.prepare` makes them. A folder's
+shards form one token stream, ordered by the numbers in their names, documents separated by an end-of-document token.
 
 Sample k is the window tokens[k*L : k*L + L + 1] (inputs: the first L, labels: the last L). Global sample index g
 reads sample permutation(seed, g // n)[g % n] for n samples per epoch: the order is a pure function of (seed, g).
@@ -16,14 +11,11 @@ micro-batch m of data-parallel rank r holds base + m*dp_size*b + r*b + [0, b). W
 only on G, so a run resumed from its consumed-sample count on any number of ranks continues the same sequence.
 """
 
-from __future__ import annotations
-
-import argparse
 import atexit
 import hashlib
+import itertools
 import json
 import logging
-import itertools
 import os
 import re
 import signal
@@ -32,9 +24,9 @@ import sysconfig
 import tempfile
 import warnings
 import weakref
-from dataclasses import dataclass
+from collections import namedtuple
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator, NamedTuple, NoReturn, Optional, Sequence
+from typing import BinaryIO, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -45,34 +37,24 @@ from fsdp_trainer.config import ConfigError, DataConfig
 
 logger = logging.getLogger("fsdp_trainer")
 
-BYTE_EOS = 256
-"""End-of-document token of the byte tokenizer, whose other tokens are the byte values 0..255."""
+BYTE_EOS = 256  # the byte tokenizer's end of document; its other tokens are the byte values 0..255
 BYTE_VOCAB_SIZE = 257
-DEFAULT_SHARD_TOKENS = 100_000_000
-_PREPARE_HINT = "make shards with `python -m fsdp_trainer.data prepare <inputs...> <output_dir>`"
-EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
-UNFINISHED = "PREPARE_UNFINISHED"
-"""The file prepare keeps in its output folder while it writes there. While it exists, the folder's complete shards
-may be only the first part of the data (prepare was killed, or is still running), so load_shards refuses it."""
+PREPARE_HINT = "make shards with `python -m fsdp_trainer.tools.prepare <inputs...> <output_dir>`"
+UNFINISHED = "PREPARE_UNFINISHED"  # in a folder prepare is writing: its complete shards may be part of the data
 
 
 class DataError(ConfigError):
-    """Data found unusable while training (checked as it is read: scanning it all at start-up would take too long).
-
-    Raised in a loader worker, it reaches the training process rebuilt by torch from the worker's whole formatted
-    traceback; only the message, after the last 'DataError: ', is kept, so the trainer can print it as it is."""
+    """Data found unusable while training (checked as read: a scan at start-up would take too long). Raised in a
+    loader worker, torch rebuilds it from the whole formatted traceback: keep the message only."""
 
     def __init__(self, message: str):
         super().__init__(message.strip().rsplit(f"{DataError.__name__}: ", 1)[-1])
 
 
-# ---------------------------------------------------------------------------------------------- shards on disk
-
 def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write through a uniquely named temporary file in the same folder, then rename it into place: readers and
-    concurrent writers only ever see complete files, and once this returns the file and its name are on disk, so
-    a file written after it (a shard's sidecar, a checkpoint's marker) never outlives it in a crash. The temporary
-    name ends in '.tmp', so no '*.bin' or '*.json' glob sees it (its leading '.' hides it from `ls`, not from glob)."""
+    """Write through a unique temporary file, then rename it into place: readers and racing writers see only whole
+    files, and once this returns the data and the name are on disk (so a file written after it, a sidecar or a
+    checkpoint's marker, never outlives it in a crash). The '.tmp' suffix keeps it out of '*.bin'/'*.json' globs."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o644)  # mkstemp makes files private; shards, caches and checkpoints may be shared
@@ -96,171 +78,99 @@ def fsync_folder(path: Path) -> None:
         os.close(folder)
 
 
-# The sidecar key by which write_shard vouches that every id of the shard is below its vocab_size.
-IDS_BOUNDED = "ids_below_vocab_size"
-
-
 def write_shard(bin_path: Path, tokens: np.ndarray, vocab_size: int, tokenizer: str) -> None:
-    """Write one shard and its sidecar. The sidecar is written last, so its presence marks a complete shard.
-    Raises ValueError for an id outside [0, vocab_size)."""
+    """Write one shard, then its sidecar, whose presence marks the shard complete. Raises ValueError for an id
+    outside [0, vocab_size): the dtype cast would wrap it (70000 -> 4464 in uint16) into a shard that passes."""
     dtype = np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
-    # The cast below wraps an id that its dtype cannot hold (70000 -> 4464 in uint16) into a shard that passes every
-    # later check; an id the sidecar's vocab_size leaves out would be refused only while training.
-    if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        bad = int(tokens.min()) if tokens.min() < 0 else int(tokens.max())
-        fix = ("pass the tokenizer's ids unchanged" if bad < 0 else
-               f"pass vocab_size {bad + 1} or more (the tokenizer's largest id + 1)")
-        raise ValueError(f"{bin_path}: token id {bad} is not in [0, vocab_size={vocab_size}), so the {dtype.name} "
-                         f"shard would hold a wrapped id or one its sidecar rules out; {fix}")
+    if len(tokens) and not 0 <= tokens.min() <= tokens.max() < vocab_size:
+        raise ValueError(f"{bin_path}: token ids span [{tokens.min()}, {tokens.max()}], not inside [0, vocab_size="
+                         f"{vocab_size}), so the {dtype.name} shard would hold wrong ids; pass the tokenizer's ids "
+                         "unchanged, and its largest id + 1 as vocab_size")
     data = np.ascontiguousarray(tokens, dtype=dtype)
     write_atomic(bin_path, data.tofile)
-    meta = {"dtype": dtype.name, "num_tokens": len(data), "vocab_size": vocab_size, "tokenizer": tokenizer,
-            IDS_BOUNDED: True}
+    meta = {"dtype": dtype.name, "num_tokens": len(data), "vocab_size": vocab_size, "tokenizer": tokenizer}
     write_atomic(bin_path.with_suffix(".json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
 
 
-@dataclass(frozen=True)
-class Shard:
-    """One shard file, as its sidecar describes it."""
-
-    path: Path
-    dtype: np.dtype
-    num_tokens: int
-    vocab_size: int
-    tokenizer: str
-    ids_bounded: bool  # its ids were checked below vocab_size when written (IDS_BOUNDED)
+Shard = namedtuple("Shard", "path dtype num_tokens vocab_size tokenizer")  # one shard, as its sidecar describes it
 
 
 def _read_sidecar(bin_path: Path, where: str) -> Shard:
-    meta_path = bin_path.with_suffix(".json")
-    fix = f"re-create it ({_PREPARE_HINT})"
-    if not meta_path.is_file():
-        raise ConfigError(f"{where}: shard {bin_path.name} has no sidecar {meta_path.name}; {fix}")
+    meta_path, fix = bin_path.with_suffix(".json"), f"re-create it ({PREPARE_HINT})"
     try:
         meta = json.loads(meta_path.read_text())
+        with open(bin_path, "rb") as f:  # opened now, not first in a loader worker once the GPUs are allocated
+            size = os.fstat(f.fileno()).st_size
         dtype = np.dtype({"uint16": "<u2", "uint32": "<u4"}[meta["dtype"]])
         num_tokens, vocab_size, tokenizer = meta["num_tokens"], meta["vocab_size"], meta["tokenizer"]
-        ids_bounded = meta.get(IDS_BOUNDED) is True
-        valid = (isinstance(num_tokens, int) and num_tokens >= 0 and isinstance(vocab_size, int)
-                 and vocab_size > 0 and isinstance(tokenizer, str))
+        valid = (isinstance(num_tokens, int) and num_tokens >= 0 and isinstance(vocab_size, int) and vocab_size > 0
+                 and isinstance(tokenizer, str))
     except OSError as err:
-        raise ConfigError(f"{where}: cannot read sidecar {meta_path} ({err.strerror}); make it readable, or "
-                          f"{fix}") from None
+        raise ConfigError(f"{where}: cannot read {err.filename} ({err.strerror}); make it readable, or {fix}") \
+            from None
     except (ValueError, KeyError, TypeError):  # not JSON, not an object, a key or dtype missing or unknown
         valid = False
     if not valid:
         raise ConfigError(f"{where}: sidecar {meta_path.name} is corrupt (expected {{\"dtype\": \"uint16\"|\"uint32\", "
                           f"\"num_tokens\": N, \"vocab_size\": V, \"tokenizer\": ...}}); {fix}")
-    if vocab_size > 2**16 and dtype.itemsize == 2:
-        # The typical hand-written sidecar of converted uint32 data: its size check passes, and each id would be
-        # read as two small ones, all inside the vocabulary.
+    if vocab_size > 2**16 and dtype.itemsize == 2:  # uint32 ids would pass the size check as pairs of small ones
         raise ConfigError(f"{where}: sidecar {meta_path.name} says dtype uint16, which cannot hold the ids of its "
-                          f"vocab_size {vocab_size}; {fix}, or, if {bin_path.name} holds uint32 ids, set \"dtype\": "
-                          f"\"uint32\" and \"num_tokens\": its size in bytes / 4 there")
-    try:
-        # Opened here, not first in a loader worker once the GPUs are allocated and the checkpoint is loaded.
-        with open(bin_path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-    except OSError as err:
-        raise ConfigError(f"{where}: cannot read shard {bin_path} ({err.strerror}); make it readable, or "
-                          f"{fix}") from None
+                          f"vocab_size {vocab_size}; {fix}, or set \"dtype\": \"uint32\" there if the ids are uint32")
     if size != num_tokens * dtype.itemsize:
         raise ConfigError(f"{where}: shard {bin_path.name} has {size} bytes but its sidecar promises {num_tokens} "
-                          f"{dtype.name} tokens ({num_tokens * dtype.itemsize} bytes), so one of them is truncated "
-                          f"or stale; {fix}")
-    return Shard(bin_path, dtype, num_tokens, vocab_size, tokenizer, ids_bounded)
+                          f"{dtype.name} tokens, so one of them is truncated or stale; {fix}")
+    return Shard(bin_path, dtype, num_tokens, vocab_size, tokenizer)
 
 
 class TokenStream:
-    """The tokens of a folder's shards as one sequence."""
+    """The tokens of a folder's shards as one sequence; `where` names the setting that chose it, for errors."""
 
-    def __init__(self, shards: list[Shard]):
-        self.shards = shards
+    def __init__(self, shards: list[Shard], where: str):
+        self.shards, self.where = shards, where
         self.starts = np.cumsum([0] + [s.num_tokens for s in shards])
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def shard_index(self, position: "int | np.ndarray") -> "np.intp | np.ndarray":
-        """The index of the shard holding token `position` of the stream (an int, or an array of them)."""
-        # side="right" picks the last shard starting at or before `position`, which skips empty shards.
-        return np.searchsorted(self.starts, position, side="right") - 1
-
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the stream."""
-        i = int(self.shard_index(start))
-        parts = []
-        while start < stop:
-            lo, hi = start - self.starts[i], min(stop, self.starts[i + 1]) - self.starts[i]
-            parts.append(_read_tokens(self.shards[i], int(lo), int(hi)))
-            start += hi - lo
-            i += 1
-        return np.concatenate(parts)
+        first, end = np.searchsorted(self.starts, start, side="right") - 1, np.searchsorted(self.starts, stop)
+        return np.concatenate([self._read(i, start, stop) for i in range(first, end)])
 
-
-def _read_tokens(shard: Shard, lo: int, hi: int) -> np.ndarray:
-    # Each read opens the file: a memory map kept per shard would hold a descriptor, so a loader worker reading a
-    # folder of more shards than `ulimit -n` (often 1024) would fail with "Too many open files".
-    size = shard.dtype.itemsize
-    try:
-        fd = os.open(shard.path, os.O_RDONLY)
+    def _read(self, i: int, start: int, stop: int) -> np.ndarray:
+        """The tokens of shard i in stream positions [start, stop)."""
+        shard, size = self.shards[i], self.shards[i].dtype.itemsize
+        lo, hi = max(start - int(self.starts[i]), 0), min(stop, int(self.starts[i + 1])) - int(self.starts[i])
         try:
-            data = os.pread(fd, (hi - lo) * size, lo * size)
-        finally:
-            os.close(fd)
-    except OSError as err:
-        raise DataError(f"cannot read shard {shard.path} ({err.strerror}): it was removed or made unreadable after "
-                        "start-up; restore it and resume") from None
-    if len(data) != (hi - lo) * size:
-        raise DataError(f"shard {shard.path} is shorter than the {shard.num_tokens} tokens its sidecar promised at "
-                        f"start-up: it changed during the run; re-create it ({_PREPARE_HINT}) and resume")
-    return np.frombuffer(data, shard.dtype)
+            with open(shard.path, "rb") as f:  # per read: a file kept open per shard could exceed `ulimit -n`
+                data = os.pread(f.fileno(), (hi - lo) * size, lo * size)
+        except OSError as err:
+            raise DataError(f"{self.where}: cannot read shard {shard.path} ({err.strerror}): it was removed or made "
+                            "unreadable after start-up; restore it and resume") from None
+        if len(data) != (hi - lo) * size:
+            raise DataError(f"{self.where}: shard {shard.path} is shorter than the {shard.num_tokens} tokens its "
+                            f"sidecar promised at start-up: it changed during the run; re-create it and resume")
+        tokens = np.frombuffer(data, shard.dtype)
+        # An id past the embedding would be an IndexError on CPU, a device-side assert on GPUs.
+        if len(tokens) and tokens.max() >= shard.vocab_size:
+            k = int(np.argmax(tokens >= shard.vocab_size))
+            raise DataError(f"{self.where}: token {lo + k:,} of shard {shard.path} is id {tokens[k]}, but its sidecar "
+                            f"{shard.path.with_suffix('.json').name} says vocab_size {shard.vocab_size}, so the shard "
+                            f"is corrupt or its sidecar wrong; re-create it ({PREPARE_HINT}), or, if the ids are "
+                            f"right, set vocab_size {int(tokens[k]) + 1} or more there")
+        return tokens
 
 
-def load_shards(path: str, where: Optional[str] = None) -> TokenStream:
-    """Open the shards in folder `path`; `where` names the setting that chose it, for error messages."""
-    where = where or f"data.path={path}"
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        problem = "is a file" if root.exists() else "does not exist"
-        raise ConfigError(f"{where}: {root} {problem}; expected a folder of token shards ({_PREPARE_HINT})")
-    if (root / UNFINISHED).exists():
-        raise ConfigError(f"{where}: {root / UNFINISHED} is there: the prepare writing this folder was interrupted "
-                          "(or is still running), so its shards may hold only part of the data; remove the folder "
-                          "and run prepare again")
-    bins = sorted(_visible(root, "*.bin"), key=_numbers_in_order)
-    if not bins:
-        raise ConfigError(f"{where}: no token shards (<name>.bin + <name>.json) in {root}; {_PREPARE_HINT}")
-    shards = [_read_sidecar(b, where) for b in bins]
-    for meta_path in sorted(set(_visible(root, "*.json")) - {b.with_suffix(".json") for b in bins}):
-        if _is_sidecar(meta_path):
-            raise ConfigError(f"{where}: shard {meta_path.with_suffix('.bin').name} is missing, but its sidecar "
-                              f"{meta_path.name} is there (an interrupted copy?): training would silently leave its "
-                              f"tokens out; copy the folder again, or {_PREPARE_HINT}")
-    return TokenStream(shards)
+def shard_files(root: Path, suffix: str) -> list[Path]:
+    """root's files ending in suffix, but for hidden ones (macOS copies leave a '._<name>' beside each file), in
+    the order of the numbers in their names (shard_100000 after shard_99999)."""
+    files = [p for p in root.glob(f"*{suffix}") if not p.name.startswith(".")]
+    return sorted(files, key=lambda p: ([int(x) if i % 2 else x for i, x in enumerate(re.split(r"(\d+)", p.name))],
+                                        p.name))
 
 
-def _visible(root: Path, pattern: str) -> list[Path]:
-    """The files in root matching pattern, but for hidden ones (a glob matches those too): macOS puts a '._<name>'
-    file beside every file it copies to a foreign file system, which is no shard."""
-    return [p for p in root.glob(pattern) if not p.name.startswith(".")]
-
-
-def _holds_shards(root: Path) -> bool:
-    """Whether load_shards would find a shard, or a shard's sidecar, in root."""
-    return bool(_visible(root, "*.bin")) or any(map(_is_sidecar, _visible(root, "*.json")))
-
-
-def _numbers_in_order(path: Path) -> tuple:
-    """A sort key that orders the numbers in names by value: shard_100000 after shard_99999, part_10 after part_9
-    (prepare's names are zero-padded to 5 digits, and a corpus of 10T tokens has more shards than that)."""
-    parts = re.split(r"(\d+)", path.name)
-    return [int(part) if i % 2 else part for i, part in enumerate(parts)], path.name
-
-
-def _is_sidecar(path: Path) -> bool:
-    """Whether a .json file is a shard's sidecar, with every key one has, not some other file kept with the shards
-    (a tokenizer.json, a corpus's statistics)."""
+def is_sidecar(path: Path) -> bool:
+    """Whether a .json file has every key of a sidecar (not a tokenizer.json or statistics kept beside shards)."""
     try:
         meta = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -268,25 +178,27 @@ def _is_sidecar(path: Path) -> bool:
     return isinstance(meta, dict) and {"dtype", "num_tokens", "vocab_size", "tokenizer"} <= meta.keys()
 
 
-def _check_stream(stream: TokenStream, where: str, seq_len: int, vocab_size: int) -> None:
-    tokenizers = sorted({s.tokenizer for s in stream.shards})
-    if len(tokenizers) > 1:
-        raise ConfigError(f"{where}: shards come from different tokenizers ({', '.join(tokenizers)}); "
-                          "keep one tokenizer per folder")
-    if len(stream) == 0:
-        raise ConfigError(f"{where}: the shards hold no tokens; {_PREPARE_HINT} from non-empty inputs")
-    if len(stream) < seq_len + 1:
-        shorter = f"lower --train.seq_len to at most {len(stream) - 1} or " if len(stream) > 1 else ""
-        raise ConfigError(f"{where}: holds {len(stream)} tokens, but train.seq_len={seq_len} needs at least "
-                          f"{seq_len + 1} for one sample; {shorter}add data")
-    data_vocab = max(s.vocab_size for s in stream.shards)
-    if data_vocab > vocab_size:
-        raise ConfigError(f"{where}: tokenized with vocab_size {data_vocab} ({tokenizers[0]} tokenizer), so token "
-                          f"ids reach {data_vocab - 1}, but model.vocab_size={vocab_size}; set "
-                          f"--model.vocab_size {data_vocab} or larger")
+def load_shards(path: str, where: Optional[str] = None) -> TokenStream:
+    """Open the shards in folder `path`; `where` names the setting that chose it, for error messages."""
+    where, root = where or f"data.path={path}", Path(path).expanduser()
+    if not root.is_dir():
+        problem = "is a file" if root.exists() else "does not exist"
+        raise ConfigError(f"{where}: {root} {problem}; expected a folder of token shards ({PREPARE_HINT})")
+    if (root / UNFINISHED).exists():
+        raise ConfigError(f"{where}: {root / UNFINISHED} is there: the prepare writing this folder was interrupted "
+                          "(or is still running), so its shards may hold only part of the data; remove the folder "
+                          "and run prepare again")
+    bins = shard_files(root, ".bin")
+    if not bins:
+        raise ConfigError(f"{where}: no token shards (<name>.bin + <name>.json) in {root}; {PREPARE_HINT}")
+    names = set(bins)
+    for meta_path in shard_files(root, ".json"):
+        if meta_path.with_suffix(".bin") not in names and is_sidecar(meta_path):
+            raise ConfigError(f"{where}: shard {meta_path.with_suffix('.bin').name} is missing, but its sidecar "
+                              f"{meta_path.name} is there (an interrupted copy?); copy the folder again, or "
+                              f"{PREPARE_HINT}")
+    return TokenStream([_read_sidecar(b, where) for b in bins], where)
 
-
-# ------------------------------------------------------------------------------------------------ the samples
 
 def _derive_seed(*parts: object) -> int:
     """A 64-bit seed that is a fixed function of `parts`, stable across processes and Python runs."""
@@ -294,16 +206,11 @@ def _derive_seed(*parts: object) -> int:
 
 
 class SampleOrder:
-    """Global sample index -> sample index: epoch g // n visits all n samples in a permutation drawn from (seed,
-    epoch), computed one index at a time. A stored permutation (torch.randperm) would take 8 bytes a sample in every
-    loader worker of every rank, 15 GB each for 15T tokens at seq_len 8192, and seconds to draw at each epoch.
+    """Global sample index g -> sample index: epoch g // n visits all n samples in a permutation of (seed, epoch),
+    computed per index (a stored one takes 8 bytes a sample in every worker). A Feistel network permutes [0, 4**h)
+    for the smallest h that holds n - 1; applied until it lands in [0, n), it is a permutation of [0, n)."""
 
-    The permutation is a Feistel network over the smallest even number of bits that holds n - 1 (a bijection of
-    [0, 4**h) whatever its round function), applied again until it lands in [0, n): each sample goes to the next
-    sample on its cycle of the larger permutation, so no two go to the same one, in at most four steps on average."""
-
-    ROUNDS = 6  # four make a strong pseudo-random permutation from random round functions (Luby-Rackoff); ours hash
-    KIND = "feistel"  # in the data's identity: a checkpoint saved under another order is a position in that one
+    ROUNDS = 6  # four suffice for a pseudo-random permutation from random round functions (Luby-Rackoff)
 
     def __init__(self, num_samples: int, seed: int):
         self.num_samples, self.seed = num_samples, seed
@@ -329,7 +236,7 @@ class SampleOrder:
 
 
 def _mix64(z: int) -> int:
-    """A 64-bit integer hash in which every input bit flips about half the output bits (SplitMix64's finalizer)."""
+    """SplitMix64's finalizer: every input bit flips about half the output bits."""
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return z ^ (z >> 31)
@@ -338,67 +245,34 @@ def _mix64(z: int) -> int:
 class TokenWindows(Dataset):
     """Global sample index -> (inputs, labels), int64 [seq_len] each, from non-overlapping windows of a stream."""
 
-    def __init__(self, stream: TokenStream, seq_len: int, seed: int, vocab_size: int, where: str = ""):
-        self.stream, self.seq_len, self.vocab_size, self.where = stream, seq_len, vocab_size, where
+    def __init__(self, stream: TokenStream, seq_len: int, seed: int):
+        self.stream, self.seq_len, self.where = stream, seq_len, stream.where
         self.num_samples = (len(stream) - 1) // seq_len
         self.order = SampleOrder(self.num_samples, seed)
-        # An id at or past its shard's own vocab_size is corrupt even where the embedding is larger (byte data
-        # holding id 300 would train silently on a model of 512).
-        # Only where the sidecar vouches for it: before IDS_BOUNDED, prepare --tokenizer recorded a tokenizer's count
-        # of tokens, which a valid id past a hole in its ids exceeds.
-        self.id_limits = np.minimum([s.vocab_size if s.ids_bounded else vocab_size for s in stream.shards],
-                                    vocab_size)
 
     def window(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample k itself: tokens[k*seq_len : k*seq_len + seq_len + 1], split into inputs and labels."""
-        start, stop = k * self.seq_len, (k + 1) * self.seq_len + 1
-        window = self.stream.read(start, stop)
-        # Sidecars are checked at start-up, the tokens only here, a max over one window against its shards' lowest
-        # limit (each token's own is looked up only then): an id past the embedding would otherwise be an
-        # IndexError on CPU, a device-side assert on GPUs.
-        first, last = int(self.stream.shard_index(start)), int(self.stream.shard_index(stop - 1))
-        if window.max() >= self.id_limits[first:last + 1].min():
-            bad = np.flatnonzero(window >= self.id_limits[self.stream.shard_index(np.arange(start, stop))])
-            if len(bad):
-                self._bad_token(start + int(bad[0]))
-        tokens = torch.from_numpy(window.astype(np.int64))
+        tokens = torch.from_numpy(self.stream.read(k * self.seq_len, (k + 1) * self.seq_len + 1).astype(np.int64))
         return tokens[:-1], tokens[1:]
-
-    def _bad_token(self, position: int) -> NoReturn:
-        i = int(self.stream.shard_index(position))
-        shard, offset = self.stream.shards[i], position - int(self.stream.starts[i])
-        token = int(self.stream.read(position, position + 1)[0])
-        found = f"{self.where}: token {offset:,} of shard {shard.path} is id {token}"
-        if token >= shard.vocab_size:
-            raise DataError(f"{found}, but its sidecar {shard.path.with_suffix('.json').name} says vocab_size "
-                            f"{shard.vocab_size}, so the shard is corrupt or its sidecar wrong; re-create it "
-                            f"({_PREPARE_HINT}), or, if the ids are right, set vocab_size {token + 1} or more there")
-        raise DataError(f"{found}, but model.vocab_size={self.vocab_size} (its sidecar says vocab_size "
-                        f"{shard.vocab_size}), so the shard is corrupt or from another tokenizer; re-create it "
-                        f"({_PREPARE_HINT}), or set --model.vocab_size {token + 1} or larger if the ids are right")
 
     def __getitem__(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.window(self.order(g))
 
     def identity(self) -> dict:
-        """What sample g is, besides seq_len: the seed, and the shards' names, sizes and tokenizer file name (not
-        their contents, which would take minutes to hash; nor the folders of shards or tokenizer, which may move)."""
+        """What sample g is, besides seq_len: the seed and the shards' names, sizes and tokenizer name (not their
+        contents, which would take minutes to hash; nor their folders, which may move)."""
         shards = [(s.path.name, s.num_tokens, Path(s.tokenizer).name) for s in self.stream.shards]
         digest = hashlib.blake2b(json.dumps(shards).encode(), digest_size=8).hexdigest()
-        return {"kind": "token shards", "order": SampleOrder.KIND, "seed": self.order.seed, "tokens": len(self.stream),
+        return {"kind": "token shards", "order": "feistel", "seed": self.order.seed, "tokens": len(self.stream),
                 "shards": len(shards), "shards_digest": digest}
 
     def __repr__(self) -> str:
-        tokenizer = self.stream.shards[0].tokenizer
-        return (f"{self.where}: {len(self.stream.shards)} shard(s), {len(self.stream):,} tokens ({tokenizer}), "
-                f"{self.num_samples:,} samples of {self.seq_len} per epoch")
+        return (f"{self.where}: {len(self.stream.shards)} shard(s), {len(self.stream):,} tokens "
+                f"({self.stream.shards[0].tokenizer}), {self.num_samples:,} samples of {self.seq_len} per epoch")
 
 
 class SyntheticTokens(Dataset):
-    """Global sample index g -> uniformly random tokens that are a pure function of (seed, g), for any g >= 0.
-
-    There are no epochs: the samples are independent already, so no permutation is applied.
-    """
+    """Global sample index g -> uniformly random tokens, a pure function of (seed, g): no epochs, no permutation."""
 
     def __init__(self, seq_len: int, vocab_size: int, seed: int):
         self.seq_len, self.vocab_size, self.seed = seq_len, vocab_size, seed
@@ -409,55 +283,69 @@ class SyntheticTokens(Dataset):
         return tokens[:-1], tokens[1:]
 
     def identity(self) -> dict:
-        """What sample g is, besides seq_len."""
         return {"kind": "synthetic tokens", "vocab_size": self.vocab_size, "seed": self.seed}
 
     def __repr__(self) -> str:
         return f"data.source=synthetic: random tokens below {self.vocab_size}, samples of {self.seq_len}"
 
 
-# ---------------------------------------------------------------------------------------- the stdlib corpus
-
-def _stdlib_files(root: Path) -> list[Path]:
-    files = []
-    for folder, subfolders, names in os.walk(root):
+def stdlib_shards(cache_dir: str, root: Optional[str] = None) -> Path:
+    """The folder of the byte-tokenized standard library (its .py files, one document each), written once into
+    cache_dir under a hash of the Python version and the file list. Racing ranks each write whole files and rename
+    them into place, so no barrier is needed."""
+    root_dir, files = Path(root or sysconfig.get_paths()["stdlib"]), []
+    for folder, subfolders, names in os.walk(root_dir):
         # Third-party packages differ between machines and would swamp the standard library's own code.
         subfolders[:] = [d for d in subfolders if d not in ("site-packages", "dist-packages", "__pycache__")]
         files += [Path(folder, n) for n in names if n.endswith(".py")]
-    return sorted(files)
-
-
-def stdlib_shards(cache_dir: str, root: Optional[str] = None) -> Path:
-    """The folder holding the byte-tokenized standard library (its .py files, one document each).
-
-    Written on first use into cache_dir under a name that hashes the Python version and the file list (names and
-    sizes), reused afterwards. Ranks that race to write it each write complete files under unique temporary names
-    and rename them into place, so no barrier is needed and every rank reads the same tokens.
-    """
-    root_dir = Path(root or sysconfig.get_paths()["stdlib"])
-    files = _stdlib_files(root_dir) if root_dir.is_dir() else []
     if not files:
-        raise ConfigError(f"data.source=stdlib: this Python has no standard library sources in {root_dir} "
-                          "(a stripped or embedded install?); use --data.source tokens or synthetic")
-    listing = "\n".join(f"{p.relative_to(root_dir)} {p.stat().st_size}" for p in files)
-    key = hashlib.sha256(f"{sys.version}\n{listing}".encode()).hexdigest()[:16]
-    out = Path(cache_dir).expanduser() / f"stdlib-{key}"
+        raise ConfigError(f"data.source=stdlib: this Python has no standard library sources in {root_dir}; "
+                          "use --data.source tokens or synthetic")
+    files.sort()
+    listing = "".join(f"\n{p.relative_to(root_dir)} {p.stat().st_size}" for p in files)
+    out = Path(cache_dir).expanduser() / f"stdlib-{hashlib.sha256((sys.version + listing).encode()).hexdigest()[:16]}"
     if (out / "shard_00000.json").is_file():
         return out
+    logger.info(f"tokenizing {len(files)} standard library files into {out} (once)")
+    separator = np.array([BYTE_EOS], np.uint16)
+    tokens = np.concatenate([t for p in files for t in (separator, np.frombuffer(p.read_bytes(), np.uint8))][1:])
     try:
         out.mkdir(parents=True, exist_ok=True)
-        logger.info(f"tokenizing {len(files)} standard library files into {out} (once)")
-        writer = _ShardWriter(out, BYTE_VOCAB_SIZE, "bytes", BYTE_EOS, shard_tokens=2**62, log=logger.info)
-        for p in files:
-            writer.add(np.frombuffer(p.read_bytes(), np.uint8))
-        writer.close()
+        write_shard(out / "shard_00000.bin", tokens, BYTE_VOCAB_SIZE, "bytes")
     except OSError as err:
         raise ConfigError(f"data.cache_dir={cache_dir}: cannot write the stdlib corpus there ({err}); "
                           "set --data.cache_dir to a writable folder") from None
     return out
 
 
-# ---------------------------------------------------------------------------------------- sampler and loader
+def build_dataset(cfg: DataConfig, seq_len: int, vocab_size: int) -> Dataset:
+    """The source chosen by cfg, indexed by global sample index; its repr describes it for the log. Raises
+    ConfigError, naming the field and a fix, if it cannot feed a model of vocab_size with seq_len samples."""
+    if cfg.source == "synthetic":
+        return SyntheticTokens(seq_len, vocab_size, cfg.seed)
+    if cfg.source == "stdlib":
+        path = str(stdlib_shards(cfg.cache_dir))
+        where = f"data.source=stdlib (cached in {path})"
+    elif cfg.path is None:
+        raise ConfigError(f"data.path is not set, but data.source=tokens reads token shards from it: pass "
+                          f"--data.path <folder> ({PREPARE_HINT}), or use --data.source stdlib or synthetic")
+    else:
+        path, where = cfg.path, f"data.path={cfg.path}"
+    stream = load_shards(path, where)
+    tokenizers = sorted({s.tokenizer for s in stream.shards})
+    if len(tokenizers) > 1:
+        raise ConfigError(f"{where}: shards come from different tokenizers ({', '.join(tokenizers)}); "
+                          "keep one tokenizer per folder")
+    if len(stream) < seq_len + 1:
+        shorter = f"lower --train.seq_len to at most {len(stream) - 1} or " if len(stream) > 1 else ""
+        raise ConfigError(f"{where}: holds {len(stream)} tokens, but train.seq_len={seq_len} needs at least "
+                          f"{seq_len + 1} for one sample; {shorter}add data")
+    data_vocab = max(s.vocab_size for s in stream.shards)  # ids are checked against it as read
+    if data_vocab > vocab_size:
+        raise ConfigError(f"{where}: tokenized with vocab_size {data_vocab} ({tokenizers[0]} tokenizer), but "
+                          f"model.vocab_size={vocab_size}; set --model.vocab_size {data_vocab} or larger")
+    return TokenWindows(stream, seq_len, cfg.seed)
+
 
 def samples_per_step(micro_batch_size: int, grad_accum_steps: int, dp_size: int) -> int:
     """The global batch G: samples one optimizer step consumes across all data-parallel ranks."""
@@ -465,8 +353,7 @@ def samples_per_step(micro_batch_size: int, grad_accum_steps: int, dp_size: int)
 
 
 def check_enough_samples(dataset: Dataset, micro_batch_size: int, grad_accum_steps: int, dp_size: int) -> None:
-    """Raise ConfigError if one step's global batch holds more samples than an epoch of `dataset` (build_dataset's):
-    each step would then read some samples twice, where the ranks are meant to read disjoint ones."""
+    """Raise ConfigError if one step's global batch holds more samples than an epoch of `dataset`."""
     global_batch = samples_per_step(micro_batch_size, grad_accum_steps, dp_size)
     if not isinstance(dataset, TokenWindows) or dataset.num_samples >= global_batch:
         return  # synthetic samples never repeat
@@ -478,21 +365,12 @@ def check_enough_samples(dataset: Dataset, micro_batch_size: int, grad_accum_ste
 
 
 class StepSampler(Sampler[list[int]]):
-    """This rank's micro-batches of global sample indices, step after step, without end.
+    """This rank's micro-batches of global sample indices, step after step from `start_sample`, without end. Workers
+    draw ahead of training, so the trainer counts consumed samples itself and a resume starts a new sampler there."""
 
-    A step covers global indices [base, base + G); micro-batch m of rank r is base + m*dp_size*b + r*b + [0, b).
-    The first base is `start_sample`. A loader with workers draws from its sampler ahead of training, so the
-    trainer counts consumed samples itself (the same on every rank, valid for any dp_size or batch size) and a
-    resumed run starts a new sampler there.
-    """
-
-    def __init__(self, micro_batch_size: int, grad_accum_steps: int, dp_rank: int, dp_size: int,
-                 start_sample: int = 0):
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+    def __init__(self, micro_batch_size: int, grad_accum_steps: int, dp_rank: int, dp_size: int, start_sample=0):
         self.micro_batch_size, self.grad_accum_steps = micro_batch_size, grad_accum_steps
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.start_sample = start_sample
+        self.dp_rank, self.dp_size, self.start_sample = dp_rank, dp_size, start_sample
 
     def __iter__(self) -> Iterator[list[int]]:
         b, dp, accum = self.micro_batch_size, self.dp_size, self.grad_accum_steps
@@ -502,51 +380,25 @@ class StepSampler(Sampler[list[int]]):
                 yield list(range(first, first + b))
 
 
-def build_dataset(cfg: DataConfig, seq_len: int, vocab_size: int) -> Dataset:
-    """The source chosen by cfg, indexed by global sample index; its repr describes it for the log. Raises
-    ConfigError, naming the field and a fix, if it cannot feed a model of vocab_size with seq_len samples.
-    Tokenizes the stdlib corpus if not cached."""
-    if cfg.source == "synthetic":
-        return SyntheticTokens(seq_len, vocab_size, cfg.seed)
-    if cfg.source == "stdlib":
-        path = str(stdlib_shards(cfg.cache_dir))
-        where = f"data.source=stdlib (cached in {path})"
-    elif cfg.source == "tokens":
-        if cfg.path is None:
-            raise ConfigError(f"data.path is not set, but data.source=tokens reads token shards from it: pass "
-                              f"--data.path <folder> ({_PREPARE_HINT}), or use --data.source stdlib or synthetic")
-        path, where = cfg.path, f"data.path={cfg.path}"
-    else:
-        raise ConfigError(f"data.source={cfg.source!r}: expected stdlib, tokens or synthetic")
-    stream = load_shards(path, where)
-    _check_stream(stream, where, seq_len, vocab_size)
-    return TokenWindows(stream, seq_len, cfg.seed, vocab_size, where)
-
-
 def _ignore_stop_signals(worker_id: int) -> None:
-    """Loader workers leave SIGTERM/SIGUSR1 to the training process, which checkpoints before exiting.
-
-    torchrun delivers SIGTERM to a rank's whole process group; a worker killed by it would take the rank down
-    ("DataLoader worker is killed by signal") before the checkpoint. Workers still end with their parent."""
+    """torchrun sends SIGTERM to a rank's process group: a worker it killed would take the rank down before its
+    checkpoint. Workers leave SIGTERM and SIGUSR1 to the trainer, and end with it."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def stop_workers(batches) -> None:
     """Stop the loader's worker processes now (the trainer's, whether training ended or raised)."""
-    shutdown = getattr(batches, "_shutdown_workers", None)  # the multi-process iterator's own shutdown
-    if shutdown is not None:
-        shutdown()
+    if hasattr(batches, "_shutdown_workers"):  # a multi-process iterator
+        batches._shutdown_workers()
 
 
 _running_iterators: "weakref.WeakSet" = weakref.WeakSet()
 
 
 class _Loader(StatefulDataLoader):
-    """A StatefulDataLoader whose worker processes are stopped before Python's exit stops them.
-
-    Python's exit stops leftover children with SIGTERM and then waits for them; our workers ignore SIGTERM
-    (`_ignore_stop_signals`), so any iterator still referenced then (from a traceback, say) would hang the exit."""
+    """Python's exit stops leftover children with SIGTERM, which our workers ignore, then waits for them: the
+    iterators are remembered so that their workers can be stopped first."""
 
     def _get_iterator(self):
         batches = super()._get_iterator()
@@ -563,13 +415,12 @@ def _stop_running_workers() -> None:
 def build_dataloader(dataset: Dataset, *, num_workers: int, micro_batch_size: int, grad_accum_steps: int,
                      dp_rank: int, dp_size: int, start_sample: int = 0,
                      device_type: str = "cpu") -> StatefulDataLoader:
-    """An endless loader of this rank's (inputs, labels) micro-batches of `dataset` (build_dataset's), int64
-    [micro_batch_size, seq_len] each, starting at global sample index start_sample (the trainer's consumed-sample
-    count when resuming), read by num_workers worker processes (0: in this process)."""
+    """An endless loader of this rank's (inputs, labels) micro-batches, int64 [micro_batch_size, seq_len] each,
+    from global sample index start_sample (the consumed-sample count when resuming), read by num_workers worker
+    processes (0: in this process)."""
     sampler = StepSampler(micro_batch_size, grad_accum_steps, dp_rank, dp_size, start_sample)
     with warnings.catch_warnings():
-        # torchdata 0.11 calls torch.set_vital, deprecated in newer torch; the warning says nothing about our run.
-        warnings.filterwarnings("ignore", message=".*set_vital.*")
+        warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 calls a deprecated torch API
         return _Loader(
             dataset,
             batch_sampler=sampler,
@@ -577,229 +428,8 @@ def build_dataloader(dataset: Dataset, *, num_workers: int, micro_batch_size: in
             pin_memory=device_type == "cuda",
             persistent_workers=num_workers > 0,
             worker_init_fn=_ignore_stop_signals,
-            # Its own generator for the workers' base seed: drawn from the global one, as by default, it would
-            # shift the training's random stream, which a resume restores exactly, by one draw.
+            # Its own generator for the workers' base seed: one drawn from the global generator would shift the
+            # training's random stream, which a resume restores exactly.
             generator=torch.Generator(),
-            # The trainer resumes from its own consumed-sample count and never reads the loader's snapshots;
-            # taking one every step (the default) costs a round trip to every worker per batch.
-            snapshot_every_n_steps=2**31,
+            snapshot_every_n_steps=2**31,  # the trainer never reads the loader's snapshots; each costs a round trip
         )
-
-
-# ------------------------------------------------------------------------------------------- prepare (the CLI)
-
-class _Encoder(NamedTuple):
-    name: str
-    vocab_size: int
-    eos: int
-    encode: Callable[[bytes], np.ndarray]
-
-
-def _byte_encoder() -> _Encoder:
-    return _Encoder("bytes", BYTE_VOCAB_SIZE, BYTE_EOS, lambda doc: np.frombuffer(doc, np.uint8))
-
-
-def _hf_encoder(path: str) -> _Encoder:
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ValueError("--tokenizer needs the optional `tokenizers` package: pip install tokenizers") from None
-    if not Path(path).is_file():
-        raise ValueError(f"--tokenizer {path}: no such file (expected a Hugging Face tokenizer.json)")
-    try:
-        tokenizer = Tokenizer.from_file(path)
-    except Exception as err:  # the tokenizers package raises a bare Exception for a file it cannot parse
-        raise ValueError(f"--tokenizer {path}: not a Hugging Face tokenizer.json that this tokenizers package can "
-                         f"read ({err}); pass the tokenizer.json saved with the model's tokenizer") from None
-    # A document's text is text: "<|endoftext|>" written in it (code, a page about tokenizers) must not become the
-    # separator, or any other special token, and cut the document in two.
-    tokenizer.encode_special_tokens = True
-    eos = next((tokenizer.token_to_id(t) for t in EOS_NAMES if tokenizer.token_to_id(t) is not None), None)
-    if eos is None:
-        raise ValueError(f"--tokenizer {path}: has none of the end-of-document tokens {', '.join(EOS_NAMES)}")
-
-    def encode(doc: bytes) -> np.ndarray:
-        ids = tokenizer.encode(doc.decode("utf-8"), add_special_tokens=False).ids
-        return np.array(ids, dtype=np.uint32)
-
-    # The largest id + 1, not get_vocab_size()'s count of tokens: ids can have holes (a trimmed vocabulary, special
-    # tokens pinned high), and a count that understates them picks uint16 for ids that need uint32.
-    vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
-    return _Encoder(str(Path(path).resolve()), vocab_size, eos, encode)
-
-
-class _ShardWriter:
-    """Joins documents with the end-of-document token and cuts the stream into shards of shard_tokens tokens."""
-
-    def __init__(self, out_dir: Path, vocab_size: int, tokenizer: str, eos: int, shard_tokens: int,
-                 log: Callable[[str], None]):
-        self.out_dir, self.vocab_size, self.tokenizer, self.shard_tokens, self.log = (
-            out_dir, vocab_size, tokenizer, shard_tokens, log)
-        self.separator = np.array([eos], dtype=np.uint32 if eos >= 2**16 else np.uint16)
-        self.pending: list[np.ndarray] = []
-        self.pending_tokens = 0
-        self.written: list[tuple[Path, int]] = []
-
-    def add(self, doc: np.ndarray) -> None:
-        if self.pending or self.written:
-            self.pending.append(self.separator)
-            self.pending_tokens += 1
-        self.pending.append(doc)
-        self.pending_tokens += len(doc)
-        if self.pending_tokens >= self.shard_tokens:
-            self._flush(final=False)
-
-    def _path(self, number: int) -> Path:
-        return self.out_dir / f"shard_{number:05d}.bin"
-
-    def _flush(self, final: bool) -> None:
-        stream = np.concatenate(self.pending) if self.pending else np.empty(0, np.uint16)
-        cut = 0
-        while len(stream) - cut >= self.shard_tokens or (final and cut < len(stream)):
-            chunk = stream[cut:cut + self.shard_tokens]
-            path = self._path(len(self.written))
-            write_shard(path, chunk, self.vocab_size, self.tokenizer)
-            self.log(f"wrote {path} ({len(chunk):,} tokens)")
-            self.written.append((path, len(chunk)))
-            cut += len(chunk)
-        self.pending = [stream[cut:]] if cut < len(stream) else []
-        self.pending_tokens = len(stream) - cut
-
-    def close(self) -> list[tuple[Path, int]]:
-        """Write what is left; returns every shard written, with its token count."""
-        self._flush(final=True)
-        return self.written
-
-    def remove(self) -> None:
-        """Delete every shard written, and the one being written when a failure stopped it, if it got that far."""
-        for number in range(len(self.written) + 1):
-            for suffix in (".json", ".bin"):  # the sidecar first: it is what stands for a shard
-                self._path(number).with_suffix(suffix).unlink(missing_ok=True)
-
-
-def _input_files(inputs: Sequence[str]) -> list[Path]:
-    files = []
-    for arg in inputs:
-        path = Path(arg)
-        if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
-        elif path.suffix in (".txt", ".jsonl") and path.is_file():
-            files.append(path)
-        elif path.exists():
-            raise ValueError(f"{path}: expected a .txt file (one document), a .jsonl file (a \"text\" field per "
-                             "line) or a folder of them")
-        else:
-            raise ValueError(f"{path}: no such file or folder")
-    if not files:
-        raise ValueError(f"no .txt or .jsonl files in {', '.join(inputs)}")
-    return files
-
-
-def _documents(path: Path) -> Iterator[bytes]:
-    if path.suffix == ".txt":
-        yield path.read_bytes()
-        return
-    # Lines as bytes, which json.loads decodes: a byte that is not UTF-8 is then an error naming its line.
-    with path.open("rb") as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)["text"].encode("utf-8")
-            except (KeyError, TypeError, AttributeError):
-                raise ValueError(f"{path}:{line_number}: expected a JSON object with a string \"text\" field") from None
-            except ValueError as err:  # not JSON, not UTF-8, or an escaped lone surrogate ("\ud83d") in the text
-                raise ValueError(f"{path}:{line_number}: not a line of UTF-8 JSON text ({err})") from None
-
-
-def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = None,
-            shard_tokens: int = DEFAULT_SHARD_TOKENS, log: Callable[[str], None] = print) -> list[tuple[Path, int]]:
-    """Tokenize .txt files (one document each) and .jsonl files (a "text" field per line), or folders of them, into
-    shards in output_dir; returns each shard written with its token count. Raises ValueError on bad inputs.
-
-    The folder holds the UNFINISHED marker from before the first shard until the last is on disk, so that a prepare
-    killed midway (SIGKILL, the OOM killer, a power cut), which nothing can clean up after, leaves a folder that
-    load_shards refuses; a failure Python sees (bad input, a full disk, Ctrl-C) removes what was written, the marker
-    last, and is raised again."""
-    if shard_tokens < 1:
-        raise ValueError(f"--shard-tokens {shard_tokens}: must be at least 1")
-    files = _input_files(inputs)
-    encoder = _byte_encoder() if tokenizer is None else _hf_encoder(tokenizer)
-    out = Path(output_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        reason = "a file is in the way" if isinstance(err, (FileExistsError, NotADirectoryError)) else err.strerror
-        raise ValueError(f"{out}: cannot create the output folder ({reason}); choose another output_dir") from None
-    marker = out / UNFINISHED
-    # Created exclusively, before anything else is looked at: of two prepares started into one folder (on every
-    # node of a job, over shared storage), one claims it and the other is refused, instead of both writing the same
-    # shard names and one removing the other's on failure.
-    try:
-        claim = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        raise ValueError(f"{out} holds {UNFINISHED}: a prepare into it was interrupted (or is still running); "
-                         "remove the folder and run prepare again") from None
-    with os.fdopen(claim, "wb") as f:
-        f.write(b"python -m fsdp_trainer.data prepare is writing this folder, or was interrupted: remove the folder "
-                b"and run prepare again\n")
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_folder(out)
-    if _holds_shards(out):
-        marker.unlink()
-        raise ValueError(f"{out} already holds shards, which a reader would mix with the new ones; prepare into a "
-                         "folder that holds no shards yet (a new one, say)")
-    writer = _ShardWriter(out, encoder.vocab_size, encoder.name, encoder.eos, shard_tokens, log)
-    try:
-        for path in files:
-            for doc in _documents(path):
-                try:
-                    tokens = encoder.encode(doc)
-                except UnicodeDecodeError as err:  # a tokenizer's text must be UTF-8: Latin-1 would train on U+FFFD
-                    raise ValueError(f"{path}: not UTF-8 text ({err}); re-encode it as UTF-8 (iconv -t UTF-8)") \
-                        from None
-                if len(tokens):  # an empty document would only add a second end-of-document token
-                    writer.add(tokens)
-        written = writer.close()
-        if not written:
-            raise ValueError(f"no text in {', '.join(inputs)}: every document is empty")
-    except BaseException as err:
-        # The folder held no shards: what this call wrote goes, so that the same command works once the input is
-        # fixed, rather than finding the folder taken.
-        writer.remove()
-        marker.unlink()
-        if isinstance(err, ValueError):
-            raise ValueError(f"{err} (no shards written)") from None
-        raise
-    # Every shard and sidecar is on disk already (write_atomic): only now may the folder pass for complete.
-    marker.unlink()
-    fsync_folder(out)
-    return written
-
-
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_trainer.data", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("prepare", help="tokenize .txt and .jsonl files into token shards")
-    p.add_argument("inputs", nargs="+", help=".txt files (one document each), .jsonl files (a \"text\" field "
-                                             "per line), or folders of them (searched recursively, sorted)")
-    p.add_argument("output_dir", help="folder for the shards (created; must hold no shards yet)")
-    p.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (needs `pip install tokenizers`), whose "
-                                       "end-of-document token separates documents, and whose special tokens "
-                                       "written in a document are encoded as text; default: bytes, token 256 "
-                                       "separating documents")
-    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
-    args = parser.parse_args(argv)
-    try:
-        written = prepare(args.inputs, args.output_dir, args.tokenizer, args.shard_tokens)
-    except ValueError as err:
-        parser.exit(2, f"error: {err}\n")
-    meta = json.loads(written[0][0].with_suffix(".json").read_text())
-    print(f"{len(written)} shard(s), {sum(n for _, n in written):,} tokens in {args.output_dir}; "
-          f"vocab_size {meta['vocab_size']} ({meta['tokenizer']}): use --data.source tokens "
-          f"--data.path {args.output_dir} --model.vocab_size {meta['vocab_size']} or larger")
-
-
-if __name__ == "__main__":
-    main()

@@ -17,7 +17,8 @@ import torch
 
 from fsdp_trainer.checkpoint import CheckpointError
 from fsdp_trainer.config import ConfigError
-from fsdp_trainer.data import BYTE_EOS, EOS_NAMES
+from fsdp_trainer.data import BYTE_EOS
+from fsdp_trainer.tools.prepare import EOS_NAMES
 from fsdp_trainer.models.llama import Transformer
 from fsdp_trainer.tools.weights import load_model
 
