@@ -3,6 +3,9 @@
     python -m fsdp_trainer.tools.checkpoints list outputs/checkpoints
     python -m fsdp_trainer.tools.checkpoints verify outputs/checkpoints/step_00000200   # e.g. after copying it
     python -m fsdp_trainer.tools.checkpoints export outputs/checkpoints/step_00000200 exported/  # model.pt + HF
+
+Every save records the size and CRC32 of each file it writes; verify checks them, and export --no-checksums
+salvages what a damaged checkpoint still holds. To resume past a checkpoint list shows as UNUSABLE, rename it.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ Runbook:
     python -m fsdp_trainer.train --checkpoint.init_from hf:exported/ ...   # Checkpointer.restore: load_weights()
     python -m fsdp_trainer.train --checkpoint.init_from outputs/checkpoints ...  # or a checkpoint's weights
 
+hf:DIR refuses a config.json that differs in a setting a --model flag sets, naming the flag, and warns of those no
+flag sets (RoPE scaling, rms_norm_eps). Export refuses a model of your own and gives the dcp_to_torch_save line
+that writes its weights.
+
 Our q and k projections keep Meta's interleaved RoPE pairs; Hugging Face's rotate-half layout pairs rows half a
 head apart, so those rows are permuted on the way out (to_hf_rows) and back on the way in (from_hf_rows).
 """
