@@ -286,9 +286,17 @@ def test_readme_flags_and_paths_exist():
         assert field in names or (field.startswith("no_") and field[3:] in names), f"README: {section}.{field}"
         checked += 1
     assert checked > 30, quoted
-    paths = set(re.findall(r"(?<![\w/.])((?:configs|launch|benchmarks|tests)/[\w./-]*\w)", README))
-    assert {"launch/slurm.sbatch", "configs/llama3_8b.toml"} <= paths
+    paths = set(re.findall(r"(?<![\w/.])((?:configs|launch|benchmarks|tests|fsdp_trainer)/[\w./-]*\w)", README))
+    assert {"launch/slurm.sbatch", "configs/llama3_8b.toml", "fsdp_trainer/train.py"} <= paths
     assert [p for p in sorted(paths) if not (REPO / p).exists()] == []
+
+
+def test_readme_runs_modules_that_exist():
+    """Every module the README runs (`python -m` or `torchrun ... -m`) is one of the package's."""
+    import importlib.util
+    modules = set(re.findall(r"-m (fsdp_trainer[\w.]*)", README))
+    assert {"fsdp_trainer.train", "fsdp_trainer.tools.plan", "fsdp_trainer.tools.checkpoints"} <= modules
+    assert [m for m in sorted(modules) if importlib.util.find_spec(m) is None] == []
 
 
 def test_readme_config_table_and_data_sources_match_the_configs():

@@ -3,6 +3,9 @@ one as a Hugging Face Llama).
 
     python -m fsdp_trainer.tools.checkpoints list outputs/checkpoints
     python -m fsdp_trainer.tools.checkpoints verify outputs/checkpoints/step_00000200   # e.g. after copying it
+
+Every save records the size and CRC32 of each file it writes; verify checks them. To resume past a checkpoint list
+shows as UNUSABLE, rename it.
 """
 
 from __future__ import annotations
