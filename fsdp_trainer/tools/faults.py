@@ -16,10 +16,11 @@ restoring. Nothing is written per step: the training loop pays nothing.
 A rank that dies makes a collective fail on the others: each runs the same reports at once, and names the rank that
 sends none by the host and pid all ranks shared at the start, in place of gloo's or NCCL's error. A *frozen* rank
 (stopped, or stuck in a call that holds the GIL) runs no watchdog and ignores torchrun's SIGTERM, which torchrun
-follows with SIGKILL only 30 s later, and no rank on another host can end it. So each watchdog starts a guard, a small
-process beside its rank, and renews every poll a deadline GUARD_POLLS polls past its timeout after its last progress;
-past it, the guard SIGKILLs the rank. Every node thus ends its own frozen ranks, whatever the launcher. The rank that
-reports also writes its report into torchrun's error file: torchrun's failure summary, the job's last words, quotes it.
+follows with SIGKILL only 30 s later, and no rank on another host can end it. So in a job of several ranks each
+watchdog starts a guard, a small process beside its rank, and renews every poll a deadline GUARD_POLLS polls past its
+timeout after its last progress; past it, the guard SIGKILLs the rank. Every node thus ends its own frozen ranks,
+whatever the launcher. The rank that reports also writes its report into torchrun's error file: torchrun's failure
+summary, the job's last words, quotes it.
 """
 
 from __future__ import annotations
@@ -147,7 +148,9 @@ class Watchdog:
         self.doing_now: Optional[str] = None  # set by doing()
         self.stopped = threading.Event()
         self.ending = threading.Lock()  # held by the thread that reports and ends the process
-        self.guard = subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD], stdin=subprocess.PIPE, bufsize=0)
+        # Only where other ranks wait for this one: a process alone holds up no job, and torchrun no grace.
+        self.guard = (subprocess.Popen([sys.executable, "-I", "-S", "-c", _GUARD], stdin=subprocess.PIPE, bufsize=0)
+                      if world_size > 1 else None)
         self.thread = threading.Thread(target=self._watch, name="fsdp_trainer-watchdog", daemon=True)
         self.thread.start()
 
@@ -215,12 +218,15 @@ class Watchdog:
                 continue
             self._end()
             return
-        self._renew_guard(float("inf"))  # never, should the pipe stay open in a loader worker forked from this rank
-        self.guard.stdin.close()
+        if self.guard is not None:
+            self._renew_guard(float("inf"))  # never, should the pipe stay open in a loader worker forked from here
+            self.guard.stdin.close()
         self.store.caller.shutdown(wait=False)
 
     def _renew_guard(self, since: float) -> None:
         """Have the guard kill this rank GUARD_POLLS polls after its timeout from `since`, unless renewed before."""
+        if self.guard is None:
+            return
         waited = self.timeout + GUARD_POLLS * self.poll
         words = (f"rank {self._named(self.rank)} is frozen: neither its steps nor its watchdog moved for {waited:.0f} "
                  "s (it is stopped, or stuck in a call that holds the GIL); its guard kills it")
