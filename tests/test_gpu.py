@@ -45,6 +45,7 @@ def test_float16_with_loss_scaling_trains(info, tmp_path):
     assert history[-1]["loss"] < history[0]["loss"] - 0.5
 
 
+@pytest.mark.slow  # inductor compiles in worker processes
 def test_compiled_blocks_match_eager(info, tmp_path):
     eager = _run(info, tmp_path / "eager", train={"steps": 8}, parallel={"param_dtype": "float32"})["history"]
     compiled = _run(info, tmp_path / "compiled", train={"steps": 8},
@@ -53,6 +54,7 @@ def test_compiled_blocks_match_eager(info, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-3)
 
 
+@pytest.mark.slow  # inductor compiles in worker processes
 def test_compiled_loss_matches_eager_and_makes_no_float32_copy_of_the_logits():
     from fsdp_trainer.loss import compiled_cross_entropy, cross_entropy
     tokens, vocab = 4096, 32768
