@@ -173,8 +173,8 @@ def model_config_from_hf(folder: Path, model: ModelConfig) -> ModelConfig:
     return ModelConfig(name=model.name, **fields)
 
 
-def _check_hf_config(folder: Path, args: ModelArgs) -> ModelArgs:
-    """The folder's model; a CheckpointError naming the settings in which it differs from `args` (max_seq_len only
+def _check_hf_config(folder: Path, args: ModelArgs) -> None:
+    """A CheckpointError naming the settings in which the folder's model differs from `args` (max_seq_len only
     lengthens the RoPE table: any will do)."""
     theirs = model_args_from_hf(folder)
     wrong = [name for name in (*HF_FIELDS, "rope_scaling") if name != "max_seq_len"
@@ -183,7 +183,6 @@ def _check_hf_config(folder: Path, args: ModelArgs) -> ModelArgs:
         sets = ", ".join(f"{name}={getattr(args, name)} here but {getattr(theirs, name)} there" for name in wrong)
         flags = " ".join(model_flag(name, getattr(theirs, name)) for name in wrong)
         raise CheckpointError(f"hf:{folder}: config.json does not fit this model ({sets}); set {flags}")
-    return theirs
 
 
 # ----------------------------------------------------------------------------------------------- tensors in
@@ -418,7 +417,7 @@ def _check_no_weights_in(out: Path) -> None:
     """A CheckpointError if `out` holds model weights already: an earlier export's files that this one would not
     replace (the shards and index of a sharded model, say) would be loaded instead of the new ones, or mixed with
     them. Nothing is deleted: they may be the only copy of another model."""
-    found = sorted({file.name for pattern in ("model.pt", "model*.safetensors", "model.safetensors.index.json")
+    found = sorted({file.name for pattern in ("model*.safetensors", "model.safetensors.index.json")
                     for file in out.glob(pattern)})
     if found:
         more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
