@@ -309,3 +309,20 @@ def test_a_dead_link_under_nccl_is_named_alone(rank, untried):
     assert f"no data arrived over {rank} -> {1 - rank} (within " in failed["error"]
     assert "NCCL_P2P_DISABLE=1" in failed["error"]
     assert (f"; {untried} untried" in failed["error"]) if untried else ("untried" not in failed["error"])
+
+
+def test_generate_on_one_gpu_gives_the_cpu_s_tokens(tmp_path):
+    """`tools.generate --device cuda`: the same greedy tokens as on the CPU, for a model imported by convert."""
+    transformers = pytest.importorskip("transformers")
+    from fsdp_trainer.tools import convert, generate, weights
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=320, rope_theta=500000.0,
+                                      rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "checkpoints")])
+    prompt = [72, 105, 33, 10, 300, 7]
+    tokens = [generate.greedy(weights.load_model(str(tmp_path / "checkpoints"), device), prompt, 32)
+              for device in ("cpu", "cuda")]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 32
