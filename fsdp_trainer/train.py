@@ -51,7 +51,7 @@ from fsdp_trainer.tools.faults import RESTORING, Watchdog, describe_oom, enable_
 from fsdp_trainer.tools.model_checks import check_own_model
 from fsdp_trainer.tools.plan import Plan, planned_vs_measured, preflight, remedy_after_oom
 from fsdp_trainer.tools.profiling import OPTIMIZER_RANGE, StepProfiler
-from fsdp_trainer.tools.weights import load_weights, model_config_from_hf
+from fsdp_trainer.tools.weights import load_weights, model_from_init_from
 
 
 # A team's own model: `model_fn(cfg)` returns (model, block classes, groups), the model on the meta device
@@ -324,8 +324,7 @@ def main(argv=None, model_fn: Optional[ModelFn] = None) -> None:
     # Everything that can be checked without a GPU is checked before the process group or any memory.
     try:
         cfg = parse_args(argv)
-        if (cfg.checkpoint.init_from or "").startswith("hf:"):  # the model is the one its config.json describes
-            cfg.model = model_config_from_hf(Path(cfg.checkpoint.init_from[3:]).expanduser(), cfg.model)
+        model_from_init_from(cfg)
         validate(cfg, world_size, "cuda" if torch.cuda.is_available() else "cpu", own_model=model_fn is not None)
     except (ConfigError, CheckpointError) as err:  # the same on every rank: one message is enough
         exit_with_error(str(err), show=rank == 0)

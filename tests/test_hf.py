@@ -16,7 +16,7 @@ from fsdp_trainer import checkpoint as ck
 from fsdp_trainer.tools import weights
 from fsdp_trainer.config import ConfigError, ModelConfig
 from fsdp_trainer.models.llama import ModelArgs
-from fsdp_trainer.tools import convert, generate
+from fsdp_trainer.tools import convert, generate, plan
 from fsdp_trainer.train import main
 
 transformers = pytest.importorskip("transformers")
@@ -150,6 +150,14 @@ def test_explicit_model_settings_must_agree_with_config_json(style):
         with pytest.raises(ConfigError, match=re.escape(f"model.{name}={value}, but hf:{folder}/config.json, which "
                                                         f"sets the model, has {key}; remove --model.{name}")):
             weights.model_config_from_hf(folder, ModelConfig(**{name: value}))
+
+
+@pytest.mark.parametrize("style", ["3.2"], indirect=True)
+def test_the_planner_plans_the_model_of_init_from_hf(style, capsys):
+    _, folder, _ = style
+    with pytest.raises(SystemExit):
+        plan.main(["--checkpoint.init_from", f"hf:{folder}", "--gpus", "1", "--gpu-memory", "80GiB", "--json"])
+    assert json.loads(capsys.readouterr().out)["num_params"] == weights.model_args_from_hf(folder).num_params()
 
 
 # Published config.json values of the fields the model uses, and parameter counts (safetensors' total_size / 2).

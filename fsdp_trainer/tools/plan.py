@@ -63,6 +63,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from fsdp_trainer.checkpoint import CheckpointError
 from fsdp_trainer.config import (Config, ConfigError, grads_in_compute_pool, mesh_shape, parse_args,
                                  resolve_param_dtype, validate)
 from fsdp_trainer.distributed import logger
@@ -70,6 +71,7 @@ from fsdp_trainer.metrics import GiB
 from fsdp_trainer.models.llama import ModelArgs, build, model_args_from_config
 from fsdp_trainer.parallelize import block_ac_modes
 from fsdp_trainer.tools.gpus import GPU, GPUS, REFERENCE, generic, this_gpu
+from fsdp_trainer.tools.weights import model_from_init_from
 
 # -- assumptions ---------------------------------------------------------------------------------------------------
 GPUS_PER_NODE = 8
@@ -1135,10 +1137,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:  # a bad flag or config file exits 2, apart from a plan that does not fit (1)
         args = parse_args(argv, cls=PlanArgs, description=__doc__.split("\n\n")[0],
                           prog="python -m fsdp_trainer.tools.plan")
+        model_from_init_from(args)
         gpus, card, here, assumed = _hardware(args)
         host = HOST_ADAMW_BW if args.host_bandwidth_gbs is None else args.host_bandwidth_gbs * 1e9
         result = plan(_for_this_gpu(args) if here else args, gpus, card, host_bandwidth=host)
-    except ConfigError as err:
+    except (ConfigError, CheckpointError) as err:
         # Validation reads the GPU count, not the memory: it may refuse a count the user never set (the ranks a
         # mesh does not divide).
         count = _in_words({flag: text for flag, text in assumed.items() if flag == "--gpus"})

@@ -6,7 +6,7 @@ not travel this way: resuming is checkpoint.py's.
 Runbook:
     python -m fsdp_trainer.tools.convert from-hf Llama-3.2-1B/ ckpt/          # import_hf(): ckpt/step_00000000
     python -m fsdp_trainer.tools.convert to-hf outputs/checkpoints exported/   # export()
-    python -m fsdp_trainer.train --checkpoint.init_from hf:Llama-3.2-1B/ ...   # model_config_from_hf(), load_weights()
+    python -m fsdp_trainer.train --checkpoint.init_from hf:Llama-3.2-1B/ ...   # model_from_init_from(), load_weights()
 
 config.json sets every model setting (model_args_from_hf): shapes, RoPE base and llama3 scaling, RMSNorm's eps, tied
 embeddings; export writes them back as read. Our q and k projections keep Meta's interleaved RoPE pairs; Hugging
@@ -171,6 +171,14 @@ def model_config_from_hf(folder: Path, model: ModelConfig) -> ModelConfig:
             raise ConfigError(f"model.{name}={value}, but hf:{folder}/config.json, which sets the model, has {key} "
                               f"{'none' if theirs == {} else theirs}; remove --model.{name}")
     return ModelConfig(name=model.name, **fields)
+
+
+def model_from_init_from(cfg: Config) -> None:
+    """Where checkpoint.init_from is hf:<folder>, make cfg.model the model its config.json describes (a resumed run
+    too: it trains that model)."""
+    source = cfg.checkpoint.init_from or ""
+    if source.startswith("hf:"):
+        cfg.model = model_config_from_hf(Path(source[3:]).expanduser(), cfg.model)
 
 
 def _check_hf_config(folder: Path, args: ModelArgs) -> None:
