@@ -889,18 +889,6 @@ class ReusedBufferStager:
         self._flat = self._buffers = None
 
 
-def _test_crash(point: str, step: int) -> None:
-    """Test hook: FSDP_TRAINER_TEST_CRASH=<point>@<step>[+<seconds>] SIGKILLs each rank that reaches that point of
-    the save of that step, at once or that many seconds later (torchrun then stops the others)."""
-    where, _, delay = os.environ.get("FSDP_TRAINER_TEST_CRASH", "").partition("+")
-    if where != f"{point}@{step}":
-        return
-    if delay:
-        threading.Timer(float(delay), os.kill, (os.getpid(), signal.SIGKILL)).start()
-    else:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _data_changes(a: dict, b: dict, a_when: str, b_when: str) -> str:
     """How two data identities (data.py's identity()) differ, for an error message."""
     if a.get("kind") != b.get("kind"):
@@ -1264,7 +1252,6 @@ class Checkpointer:
             wait_note = f" (of which {waited:.2f} s waiting for the previous save)" if waited > 0.01 else ""
             logger.info(f"checkpoint step {progress.step} ({self.mode}): training blocked {save.blocked:.2f} s"
                         f"{wait_note}")
-            _test_crash("staged", progress.step)
 
     def _saves_planned(self) -> bool:
         """Whether this run saves other than on a stop signal."""
@@ -1362,7 +1349,6 @@ class Checkpointer:
             raise RuntimeError(f"saving checkpoint {save.path} failed: {self._save_failure(save.step, err)}") from err
         if not self.info.is_main:
             return
-        _test_crash("before_marker", save.step)
         sums = save.writer.sums if save.writer.checksums else None
         if sums == {}:  # torch wrote through a copy of the writer: the checkpoint is whole, but resume cannot check it
             logger.warning(f"checkpoint {save.path}: no checksums reached rank 0; it is committed without them")

@@ -10,12 +10,15 @@ SIGKILL to itself as the step begins, after printing "<signal> at <time.time()>"
 preempt: SIGUSR1 while the model is built, before the first step. slow_profile: writing the profile's trace takes
 <step> seconds longer. hang_restore: reading a checkpoint's files hangs (<step> unused), as on hung storage: a resume
 hangs in the restore. hang_writes: writing a checkpoint's files hangs (<step> unused), and the checkpointer's groups
-time out after dist.init_timeout_s alone, not 60 s later, to keep the test short.
+time out after dist.init_timeout_s alone, not 60 s later, to keep the test short. kill_saving: SIGKILL <seconds>
+after the save of step <step> was handed to DCP (<step>+<seconds>); kill_commit: SIGKILL as rank 0 is about to
+write the marker of step <step> (torchrun then stops the other ranks).
 """
 
 import os
 import signal
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -25,7 +28,9 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from fsdp_trainer import checkpoint, train
 
-fault, fault_rank, fault_step = sys.argv[1], sys.argv[2], int(sys.argv[3])
+fault, fault_rank = sys.argv[1], sys.argv[2]
+fault_step, _, kill_delay = sys.argv[3].partition("+")
+fault_step = int(fault_step)
 train_flags = sys.argv[sys.argv.index("--") + 1:]
 real_step, real_cross_entropy, real_build_model = train.train_step, F.cross_entropy, train.build_model
 chosen = fault_rank in ("all", os.environ["RANK"])
@@ -90,6 +95,25 @@ def hung_streams(direction: str):
     return create_stream
 
 
+real_save, real_write_atomic = checkpoint.Checkpointer.save, checkpoint.write_atomic
+
+
+def save_then_kill(self, progress):
+    real_save(self, progress)
+    if progress.step == fault_step and chosen:
+        threading.Timer(float(kill_delay or 0), os.kill, (os.getpid(), signal.SIGKILL)).start()
+
+
+def kill_before_marker(path, write):
+    if path.name == checkpoint.MARKER and path.parent == checkpoint.step_dir(path.parent.parent, fault_step) and chosen:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_write_atomic(path, write)
+
+
+if fault == "kill_saving":
+    checkpoint.Checkpointer.save = save_then_kill
+if fault == "kill_commit":
+    checkpoint.write_atomic = kill_before_marker
 if fault == "slow_profile":
     torch.profiler.profile.export_chrome_trace = slow_export
 if fault == "hang_restore":

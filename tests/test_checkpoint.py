@@ -37,7 +37,7 @@ from fsdp_trainer.optim import build_optimizer, build_scheduler
 from fsdp_trainer.tools import convert
 from fsdp_trainer.train import build_model, main, run
 
-from helpers import TINY_FLAGS, TORCHRUN, checkout_env, run_ranks, tiny_config
+from helpers import TINY_FLAGS, TORCHRUN, checkout_env, launch_fault, run_ranks, tiny_config
 from test_own_model import GPT2, GPT2Block
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,15 +53,20 @@ def torchrun_cmd(nproc: int, out: Path, *flags: str) -> list[str]:
             *flags]
 
 
-def torchrun(nproc: int, out: Path, *flags: str, crash: str = "", ok: bool = True) -> str:
-    """Run a training job to its end, expecting exit code 0 if ok else a failure; returns its stdout and stderr.
-    `crash` sets the test hook that SIGKILLs ranks during a save (see checkpoint._test_crash)."""
-    env = checkout_env(FSDP_TRAINER_TEST_CRASH=crash)
-    proc = subprocess.run(torchrun_cmd(nproc, out, *flags), cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=180)
+def torchrun(nproc: int, out: Path, *flags: str, ok: bool = True) -> str:
+    """Run a training job to its end, expecting exit code 0 if ok else a failure; returns its stdout and stderr."""
+    proc = subprocess.run(torchrun_cmd(nproc, out, *flags), cwd=REPO, env=checkout_env(), capture_output=True,
+                          text=True, timeout=180)
     output = proc.stdout + proc.stderr
     assert (proc.returncode == 0) == ok, f"exit code {proc.returncode}:\n{output[-4000:]}"
     return output
+
+
+def killed(fault: str, rank: str, step: str, out: Path, *flags: str) -> str:
+    """A training job that tests/fault_worker.py SIGKILLs during a save (`fault`: kill_saving or kill_commit)."""
+    proc, _ = launch_fault(fault, rank, step, *TINY, "--train.output_dir", str(out), *flags)
+    assert proc.returncode != 0, proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
 
 
 def rows(out: Path) -> dict[int, dict]:
@@ -164,12 +169,12 @@ def test_kill_during_saves_then_resume_is_bit_identical(reference, tmp_path):
     out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
     flags = ("--train.steps", str(STEPS), "--checkpoint.interval", "1")
     delay = random.uniform(0, 0.02)
-    torchrun(2, out, *flags, crash=f"staged@3+{delay:.3f}", ok=False)
+    killed("kill_saving", "all", f"3+{delay:.3f}", out, *flags)
     assert complete_steps(root)[:2] == [1, 2], delay
     newest = complete_steps(root)[-1]
     partial = [p for step, p in ck.list_checkpoints(root) if step > newest]
 
-    log = torchrun(2, out, *flags, crash="before_marker@9", ok=False)
+    log = killed("kill_commit", "0", "9", out, *flags)
     assert f"resuming from {ck.step_dir(root, newest)}" in log
     assert all(f"skipping {p}" in log for p in partial), (partial, log[-3000:])
     step9 = ck.step_dir(root, 9)
@@ -228,11 +233,11 @@ def test_resume_on_other_world_sizes_and_meshes(reference, tmp_path):
 def test_saved_on_8_ranks_resumes_on_4(tmp_path):
     """The 8-GPU node's checkpoint continued on half the GPUs: 8 x 1 sample per step, then 4 x 2."""
     eight = tmp_path / "eight"
-    torchrun(8, eight, "--train.steps", "6", "--train.micro_batch_size", "1", "--checkpoint.interval", "3")
+    torchrun(8, eight, "--train.steps", "4", "--train.micro_batch_size", "1", "--checkpoint.interval", "2")
     four = tmp_path / "four"
-    log = torchrun(4, four, "--train.steps", "6", "--checkpoint.resume", str(eight / "checkpoints/step_00000003"))
+    log = torchrun(4, four, "--train.steps", "4", "--checkpoint.resume", str(eight / "checkpoints/step_00000002"))
     assert "saved on 8 ranks, resuming on 4" in log
-    assert_rows_equal(rows(four), rows(eight), range(4, 7), rel=1e-5)
+    assert_rows_equal(rows(four), rows(eight), range(3, 5), rel=1e-5)
 
 
 class DropoutGPT2(GPT2):
@@ -873,7 +878,7 @@ def test_training_never_waits_for_retention_to_finish_deleting(tmp_path, monkeyp
     delete, after_step = ck._delete, ck.Checkpointer.after_step
 
     def slow_delete(paths):
-        if not reached_step_4.wait(timeout=20):
+        if not reached_step_4.wait(timeout=10):
             waited_out.append(paths)
         delete(paths)
 
@@ -1210,7 +1215,7 @@ def fail_in_an_extra_writer_thread(monkeypatch, owner, name: str, error_for: Cal
             if "_write_files_from_queue" in threading.current_thread().name:  # the name of torch's extra threads
                 failed.set()
                 raise error
-            assert failed.wait(timeout=30), "no extra writer thread took a file"
+            assert failed.wait(timeout=10), "no extra writer thread took a file"
         return real(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, faulty)
@@ -1299,7 +1304,7 @@ def test_a_failed_save_names_its_cause_in_one_line(tmp_path, monkeypatch, capsys
 @pytest.mark.parametrize("mode", ["none", "async", "async_pinned"])
 def test_async_saves_write_while_the_next_step_trains(tmp_path, monkeypatch, mode):
     """The save of step 1 cannot write a byte until step 2 has begun: asynchronous modes train on meanwhile, where
-    a save that blocked training would wait for ever (30 s here). Saving synchronously, every write is done before
+    a save that blocked training would wait for ever (10 s here). Saving synchronously, every write is done before
     step 2."""
     import fsdp_trainer.train as train
     from torch.distributed.checkpoint import filesystem
@@ -1307,7 +1312,7 @@ def test_async_saves_write_while_the_next_step_trains(tmp_path, monkeypatch, mod
     second_step, order = threading.Event(), []  # order: the folder of each write, "step <n>" as each step begins
 
     def gated_write(transforms, stream, *args, **kwargs):
-        if mode != "none" and not second_step.wait(timeout=30):
+        if mode != "none" and not second_step.wait(timeout=10):
             second_step.set()  # the save blocks training: the other writes need not wait too, to fail below
         result = real_write(transforms, stream, *args, **kwargs)
         order.append(Path(stream.name).parent.name)
