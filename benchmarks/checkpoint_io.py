@@ -26,7 +26,7 @@ from runs import error_line, run, train_command
 BLOCKED = re.compile(r"checkpoint step (\d+) \((\w+)\): training blocked ([\d.]+) s"
                      r"(?: \(of which ([\d.]+) s waiting for the previous save\))?")
 COMPLETE = re.compile(r"complete: ([\d.]+) GB in ([\d.]+) s \(([\d.]+) GB/s")
-STAGING = re.compile(r"checkpoint staging: ([\d.]+) GB of .*allocated in ([\d.]+) s")
+STAGING = re.compile(r"checkpoint staging: .*allocated in ([\d.]+) s")
 LOADED = re.compile(r"loaded .*: ([\d.]+) GB in ([\d.]+) s \(([\d.]+) GB/s\)")
 CHECKED = re.compile(r"match their checksums \(.*checked by this process in ([\d.]+) s\)")
 COLUMNS = [("run", "label", "{}"), ("buffers s", "staging_alloc_s", "{:.1f}"),
@@ -83,7 +83,7 @@ def measure(args, mode: str, threads: int, checksums: str, out: Path) -> dict:
                save_gb_per_s=float(done[-1][2]))
     staging = STAGING.search(log)
     if staging:  # async_pinned allocates its host buffers once, after step 1
-        row.update(staging_alloc_s=float(staging.group(2)))
+        row.update(staging_alloc_s=float(staging.group(1)))
     row["load_page_cache_dropped_gb"] = drop_from_page_cache(out) / 1e9
     # One more step after the load, and no save, periodic (--interval may divide --steps + 1) or final: another full
     # checkpoint could fill the disk.

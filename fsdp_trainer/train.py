@@ -47,11 +47,12 @@ from fsdp_trainer.optim import (NonFiniteError, NonFiniteGuard, build_optimizer,
                                 follow_current_schedule)
 from fsdp_trainer.parallelize import DTYPES, apply_ac, apply_compile, apply_fsdp, init_weights
 # The tools this entry point wires in; no other core module imports them.
+from fsdp_trainer.tools.checksums import Checksums
 from fsdp_trainer.tools.faults import RESTORING, Watchdog, describe_oom, enable_flight_recorder, requested_bytes
 from fsdp_trainer.tools.model_checks import check_own_model
 from fsdp_trainer.tools.plan import Plan, planned_vs_measured, preflight, remedy_after_oom
 from fsdp_trainer.tools.profiling import OPTIMIZER_RANGE, StepProfiler
-from fsdp_trainer.tools.weights import load_weights, model_from_init_from
+from fsdp_trainer.tools.weights import load_weights, model_from_init_from, model_settings
 
 
 # A team's own model: `model_fn(cfg)` returns (model, block classes, groups), the model on the meta device
@@ -190,11 +191,13 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     global_batch = samples_per_step(t.micro_batch_size, t.grad_accum_steps, info.world_size)
     if dataset is None:  # main() built it before the process group, to fail fast
         dataset = build_dataset(cfg.data, t.seq_len, model_args_from_config(cfg.model).vocab_size)
-    ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, signals, data=dataset.identity())
+    c = cfg.checkpoint
+    ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, signals, data=dataset.identity(),
+                        model_settings=model_settings(args) if args else None,
+                        storage=Checksums(c.write_threads) if c.checksums else None)
     # Watching from here on, the restore included: a rank stuck in it is named, and the others stop, within
     # dist.init_timeout_s. The `with` stops the watchdog's thread however the set-up below ends.
     with Watchdog(info.rank, info.world_size, cfg.dist.init_timeout_s, cfg.dist.timeout_s, mesh) as watchdog:
-        c = cfg.checkpoint
         with watchdog.doing(RESTORING):
             progress = ckpt.restore(lambda: load_weights(model, c.init_from, model_args_from_config(cfg.model),
                                                          ckpt.group, c.write_threads if c.checksums else 0))

@@ -306,17 +306,17 @@ def test_a_rank_hung_in_the_restore_is_named_before_the_group_timeout_ends_the_o
 
 
 @pytest.mark.slow
-def test_a_save_whose_exchange_times_out_names_the_ranks_that_had_not_written(tmp_path):
+def test_a_save_whose_exchange_times_out_fails_and_commits_nothing(tmp_path):
     """Rank 1's writes hang in the (async) save of step 1; rank 0 writes its part, waits in DCP's exchange until the
-    checkpointer's group times out (fault_worker shortens it to dist.init_timeout_s), and names rank 1, found by the
-    marks in the store, not by gloo's timeout, which names no rank. Nothing is committed."""
+    checkpointer's group times out (fault_worker shortens it to dist.init_timeout_s), and fails the save in one line
+    with gloo's timeout. Nothing is committed."""
     proc, elapsed = launch("hang_writes", "1", 0, tmp_path, "--train.steps", "2", "--checkpoint.interval", "1",
                            "--dist.init_timeout_s", "6")
     assert proc.returncode != 0
     from fsdp_trainer.checkpoint import MARKER, step_dir
 
     step_1 = step_dir(tmp_path / "checkpoints", 1)
-    assert f"saving checkpoint {step_1} failed: rank(s) 1 had not written their part of it" in proc.stderr, \
+    assert re.search(rf"saving checkpoint {re.escape(str(step_1))} failed: .*Timed out", proc.stderr), \
         proc.stderr[-3000:]
     assert not (step_1 / MARKER).exists()
     assert elapsed < ENDS_WITHIN, elapsed

@@ -122,7 +122,7 @@ def test_init_from_hf_sets_the_model_and_a_converted_checkpoint_resumes_the_same
              "--train.seq_len", "32", "--train.micro_batch_size", "2", "--train.steps", "2", "--train.log_every", "1",
              "--parallel.param_dtype", "float32", "--metrics.no_tensorboard", "--checkpoint.async_mode", "none"]
     main([*flags, "--train.output_dir", str(tmp_path / "new")])
-    saved = ck.saved_config(ck.step_dir(tmp_path / "new/checkpoints", 2)).model
+    saved = weights.saved_config(ck.step_dir(tmp_path / "new/checkpoints", 2)).model
     assert saved == weights.model_config_from_hf(folder, ModelConfig())
     config = json.loads((folder / "config.json").read_text())
     assert (saved.norm_eps, saved.rope_scaling.get("factor")) == (config["rms_norm_eps"],

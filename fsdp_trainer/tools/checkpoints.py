@@ -14,10 +14,12 @@ import argparse
 from pathlib import Path
 from typing import Optional, Sequence
 
-from fsdp_trainer.checkpoint import (_STEP_DIR, NO_CHECKSUMS, CheckpointError, _ranks, _read_marker, _size_bytes,
-                                     checked, incomplete_reason, list_checkpoints, read_metadata, resolve, ways_past)
+from fsdp_trainer.checkpoint import (STEP_DIR, CheckpointError, incomplete_reason, list_checkpoints, read_marker,
+                                     read_metadata, set_aside, size_bytes)
 from fsdp_trainer.config import ConfigError
 from fsdp_trainer.distributed import cores_per_rank
+from fsdp_trainer.tools.checksums import NO_CHECKSUMS, checked, marker_problem
+from fsdp_trainer.tools.weights import resolve
 
 
 def _list(root: str) -> None:
@@ -28,27 +30,30 @@ def _list(root: str) -> None:
     if not found:
         nested, parent = Path(root) / "checkpoints", Path(root).resolve().parent
         hint = f"; did you mean its checkpoints folder, {nested}?" if nested.is_dir() else ""
-        if _STEP_DIR.match(Path(root).resolve().name) or (Path(root) / ".metadata").exists():
+        if STEP_DIR.match(Path(root).resolve().name) or (Path(root) / ".metadata").exists():
             hint = f"; it is a checkpoint itself: list the folder that holds it, {parent}"
         print(f"{root}: no checkpoints (no step_* folders){hint}")
     for step, path in found:
         reason = incomplete_reason(path)
-        state, problem = _read_marker(path) if reason is None else (None, None)
+        state, problem = read_marker(path) if reason is None else (None, None)
+        problem = problem or (state and marker_problem(state))
         if reason is not None:
             print(f"{path}  INCOMPLETE: it {reason}")
-        elif problem is not None:
+        elif problem:
             print(f"{path}  UNUSABLE: it {problem}")
         else:
+            ranks = state["world_size"]
             print(f"{path}  complete  step {step}, {state['consumed_samples']:,} samples, "
-                  f"{_size_bytes(path) / 1e9:.3f} GB, saved on {_ranks(state['world_size'])} at {state['saved_at']}")
+                  f"{size_bytes(path) / 1e9:.3f} GB, saved on {ranks} rank{'s' if ranks > 1 else ''} at "
+                  f"{state['saved_at']}")
 
 
 def _verify(named: str) -> None:
     checkpoint = resolve(named, "checkpoint")
-    fix = f"copy it again from where it was saved; or {ways_past(checkpoint.path)}"
-    read_metadata(checkpoint, fix)
+    aside = set_aside(checkpoint.path) if STEP_DIR.match(checkpoint.path.name) else "use another checkpoint"
+    fix = f"copy it again from where it was saved; or {aside}"
     with checked(checkpoint, None, fix, threads=cores_per_rank(1)) as report:
-        pass
+        read_metadata(checkpoint.path, fix)
     if not report:
         raise CheckpointError(f"checkpoint {checkpoint.path}: {NO_CHECKSUMS}, so it cannot be verified")
     print(f"{checkpoint.path}: {report[0]}")

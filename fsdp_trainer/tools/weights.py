@@ -17,29 +17,31 @@ back on the way in (from_hf_rows).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
+import tomllib
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp_trainer.checkpoint import (CONFIG, FORMAT, LLAMA_CLASS, MODEL_CLASS, WEIGHTS_ONLY, CheckpointError,
-                                     CheckpointWriter, check_shapes, checked, list_checkpoints, load_dcp, model_class,
-                                     own_model_class, read_metadata, resolve, saved_config, shapeless_changes,
-                                     step_dir, tensor_shapes, write_marker)
-from fsdp_trainer.config import Config, ConfigError, ModelConfig, model_flag, to_toml
+from fsdp_trainer.checkpoint import (CONFIG, FORMAT, MARKER, MODEL_CLASS, STEP_DIR, WEIGHTS_ONLY, Checkpoint,
+                                     CheckpointError, check_usable, find_latest, incomplete_reason, list_checkpoints,
+                                     load_dcp, model_class, read_metadata, read_trainer_state, step_dir, write_marker)
+from fsdp_trainer.config import Config, ConfigError, ModelConfig, from_dict, model_flag, to_toml
 from fsdp_trainer.data import write_atomic
 from fsdp_trainer.distributed import cores_per_rank
 from fsdp_trainer.models.llama import ROPE_SCALING, ModelArgs, Transformer, build, model_args_from_config
+from fsdp_trainer.tools.checksums import Checksums, checked
 
 # Our ModelArgs field -> its config.json key, and transformers' LlamaConfig default where the key may be absent.
 HF_FIELDS = {"dim": ("hidden_size", None), "n_layers": ("num_hidden_layers", None),
@@ -48,6 +50,129 @@ HF_FIELDS = {"dim": ("hidden_size", None), "n_layers": ("num_hidden_layers", Non
              "max_seq_len": ("max_position_embeddings", 2048), "rope_theta": ("rope_theta", 10000.0),
              "norm_eps": ("rms_norm_eps", 1e-6), "tie_embeddings": ("tie_word_embeddings", False)}
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}  # safetensors' names
+LLAMA_CLASS = f"{Transformer.__module__}.{Transformer.__qualname__}"
+
+
+def model_settings(args: ModelArgs) -> dict:
+    """What a checkpoint records of a Llama's settings, for a resume to compare: all but the two that only derive
+    ffn_hidden_dim, and max_seq_len, which only lengthens the RoPE table."""
+    return {key: value for key, value in dataclasses.asdict(args).items()
+            if key not in ("ffn_dim_multiplier", "multiple_of", "max_seq_len")}
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+
+def _export_hint(path: Path) -> str:
+    """A hint, for a folder that holds an export rather than checkpoints, on how to load it."""
+    if (path / "config.json").is_file() and any(path.glob("model*.safetensors*")):
+        return f"; it holds a Hugging Face model: give hf:{path} (e.g. --checkpoint.init_from hf:{path})"
+    return ""
+
+
+def resolve(path: str | Path, flag: str) -> Checkpoint:
+    """The complete checkpoint a user named: a step folder, or a checkpoint folder (then its newest one)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{flag} {path}: no such folder; give a step_* folder holding {MARKER}, or the "
+                              "checkpoint folder that holds them")
+    if STEP_DIR.match(path.name) or (path / ".metadata").exists() or (path / MARKER).exists():
+        if (reason := incomplete_reason(path)) is not None:
+            raise CheckpointError(f"{flag} {path}: not a complete checkpoint: it {reason}; give a complete one")
+        return check_usable(path)
+    latest, _ = find_latest(path)
+    if latest is None:
+        raise CheckpointError(f"{flag} {path}: holds no complete checkpoint (a step_* folder with {MARKER})"
+                              f"{_export_hint(path)}")
+    return latest
+
+
+def own_model_class(state: dict) -> Optional[str]:
+    """The class of a checkpoint's model if it is a team's own (train.main's model_fn), whose config.toml's --model.*
+    settings describe a Llama preset that was never trained; None for fsdp_trainer's Llama."""
+    saved = state.get(MODEL_CLASS)
+    return saved if saved not in (None, LLAMA_CLASS) else None
+
+
+def tensor_shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """Flattened key (as DCP names it) -> global shape of every tensor reachable through nested dicts."""
+    shapes = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            shapes.update(tensor_shapes(value, f"{name}."))
+        elif isinstance(value, torch.Tensor):  # a DTensor's shape is the global, unsharded one
+            shapes[name] = tuple(value.shape)
+    return shapes
+
+
+def _saved_model_settings(path: Path) -> str:
+    """What the checkpoint at `path` records of its model, as a sentence: its --model.* settings, or its own class."""
+    try:
+        own = own_model_class(read_trainer_state(path))
+    except (OSError, ValueError):
+        own = None
+    if own:
+        return f" It holds a model of your own, {own}."
+    try:
+        model = tomllib.loads((Path(path) / CONFIG).read_text()).get("model", {})
+    except (OSError, ValueError):
+        return ""
+    return " It was saved with " + " ".join(model_flag(k, v) for k, v in model.items()) + "."
+
+
+def saved_config(path: Path) -> Config:
+    """The config of the run that saved the checkpoint `path`, from its config.toml; a CheckpointError naming the
+    checkpoint and a fix if that is missing or unusable."""
+    file = Path(path) / CONFIG
+    try:
+        raw = tomllib.loads(file.read_text())
+        if "model" not in raw:  # to_toml always writes one: an empty file would read as the default preset
+            raise ValueError("no [model] table: it is empty or cut short")
+        cfg = from_dict(raw, source=str(file))
+        model_args_from_config(cfg.model)
+    except (OSError, ValueError) as err:  # ValueError: TOML's errors and ConfigError too
+        problem = "is missing" if isinstance(err, FileNotFoundError) else f"is unusable ({err})"
+        raise CheckpointError(f"checkpoint {path}: its {CONFIG}, the only record of the model's settings, {problem}; "
+                              "copy in the config.toml of the run that saved it (from its train.output_dir), or use "
+                              "another of its checkpoints") from None
+    return cfg
+
+
+def shapeless_changes(path: Path, args, names: Sequence[str]) -> tuple[str, str, str]:
+    """Of the model settings `names`, those that differ between the model saved in `path` (its config.toml, where it
+    can be read) and `args`, as ("model.x A, ...", "model.x B, ...", "--model.x A ..."): saved, here, and the flags
+    that restore the saved ones. No tensor's shape shows them."""
+    try:
+        saved = model_args_from_config(saved_config(path).model)
+    except CheckpointError:
+        return "", "", ""
+    changed = [name for name in names if getattr(saved, name) != getattr(args, name)]
+    return (", ".join(f"model.{name} {getattr(saved, name)}" for name in changed),
+            ", ".join(f"model.{name} {getattr(args, name)}" for name in changed),
+            " ".join(model_flag(name, getattr(saved, name)) for name in changed))
+
+
+def check_shapes(path: Path, metadata: Metadata, expected: dict[str, tuple[int, ...]], unexpected_prefix: str,
+                 fix: str, misfit: str = "") -> None:
+    """Raise a CheckpointError listing every expected tensor that `path` lacks or holds in another shape, and
+    every saved tensor under `unexpected_prefix` that is not expected (a model with more layers, say), then `fix`.
+    It says that the checkpoint does not fit, and which model settings its config.toml records; or, for expected
+    shapes that this config.toml gave, `misfit` instead: then the settings in it are what is in doubt."""
+    saved = {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+             if isinstance(v, TensorStorageMetadata)}
+    problems = []
+    for key, shape in expected.items():
+        if key not in saved:
+            problems.append(f"{key} is missing from the checkpoint")
+        elif saved[key] != shape:
+            problems.append(f"{key} has shape {list(saved[key])} in the checkpoint but {list(shape)} in this model")
+    problems += [f"{key} is in the checkpoint but not in this model" for key in saved
+                 if key.startswith(unexpected_prefix) and key not in expected]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        settings = "" if misfit else _saved_model_settings(path)
+        raise CheckpointError(f"checkpoint {path} {misfit or 'does not fit'}: {'; '.join(problems[:3])}{more}."
+                              f"{settings} {fix}")
 
 
 def hf_names(n_layers: int) -> dict[str, str]:
@@ -315,8 +440,6 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
     path, model_sd = checkpoint.path, get_model_state_dict(model)
     fix = "give --checkpoint.init_from an earlier complete checkpoint"
     own = own_model_class(checkpoint.state) or model_class(model) is not Transformer
-    check_shapes(path, read_metadata(checkpoint, fix, threads > 0), tensor_shapes({"model": model_sd}), "model.",
-                 "Build the model it was saved with." if own else "Set the --model.* flags it was saved with.")
     # Heads of the same shapes would cut the saved projections into others, another eps normalize otherwise. A tied
     # checkpoint loads into an untied model as two equal tensors (untying it); the other way round, one of the saved
     # two would overwrite the other in the model's single tensor. Another RoPE base or scaling is a new run's choice
@@ -324,10 +447,12 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
     # was not trained.)
     then, now, flags = ("", "", "") if own else shapeless_changes(
         path, args, ("n_heads", "n_kv_heads", "norm_eps") + (("tie_embeddings",) if args.tie_embeddings else ()))
-    if then:
-        raise CheckpointError(f"checkpoint {path} was saved with {then}, but this model has {now}, and its weights "
-                              f"would compute another function: set {flags}")
     with checked(checkpoint, group, fix, threads, enabled=threads > 0):
+        check_shapes(path, read_metadata(path, fix), tensor_shapes({"model": model_sd}), "model.",
+                     "Build the model it was saved with." if own else "Set the --model.* flags it was saved with.")
+        if then:
+            raise CheckpointError(f"checkpoint {path} was saved with {then}, but this model has {now}, and its "
+                                  f"weights would compute another function: set {flags}")
         load_dcp({"model": model_sd}, path, group, fix)
     set_model_state_dict(model, model_sd)
 
@@ -386,14 +511,16 @@ def export(path: str | Path, out_dir: str | Path, dtype: Optional[torch.dtype] =
                               "Llama only. Its full weights: torch.distributed.checkpoint.format_utils."
                               f"dcp_to_torch_save('{path}', 'model.pt'), then your_model.load_state_dict("
                               "torch.load('model.pt')['model'])")
-    metadata = read_metadata(checkpoint, fix, checksums)
     # config.toml may have been copied in from another run (saved_config asks for that when it is lost): blocks it
     # does not know would be left out of the export, its untied output projection replaced.
     args = model_args_from_config(saved_config(path).model)
     misfit = f"has a {CONFIG} that does not describe the model saved there"
     fix_config = ("Copy in the config.toml of the run that saved it (from its train.output_dir); a model of your own "
                   "(train.main's model_fn) is no Llama, which is all export converts")
-    check_shapes(path, metadata, tensor_shapes({"model": build(args).state_dict()}), "model.", fix_config, misfit)
+    # The whole checkpoint is checked first, as the export reads it a tensor at a time and must not write from damage.
+    with checked(checkpoint, None, fix, threads=cores_per_rank(1), enabled=checksums):
+        metadata = read_metadata(path, fix)
+        check_shapes(path, metadata, tensor_shapes({"model": build(args).state_dict()}), "model.", fix_config, misfit)
     saved = {key.removeprefix("model."): meta for key, meta in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
 
@@ -405,8 +532,6 @@ def export(path: str | Path, out_dir: str | Path, dtype: Optional[torch.dtype] =
     names = {theirs: ours for ours, theirs in hf_names(args.n_layers).items()
              if not (ours == "output.weight" and args.tie_embeddings)}
     tensors = {theirs: (tuple(saved[ours].size), dtype or saved[ours].properties.dtype) for theirs, ours in names.items()}
-    with checked(checkpoint, None, fix, threads=cores_per_rank(1), enabled=checksums):
-        pass  # the whole checkpoint first, as the export reads it a tensor at a time and must not write from damage
     # Training saves a tied model's one tensor under both names: they must be equal.
     if args.tie_embeddings and not torch.equal(*read("tok_embeddings.weight", "output.weight")):
         raise CheckpointError(f"checkpoint {path} {misfit}: tie_embeddings = true in it, but the output projection "
@@ -465,15 +590,17 @@ def import_hf(folder: str | Path, root: str | Path, log: Callable[[str], None] =
     path.mkdir(parents=True)
     cfg = Config(model=model_config_from_hf(folder, ModelConfig()))
     write_atomic(path / CONFIG, lambda f: f.write(to_toml(cfg).encode()))
-    writer = CheckpointWriter(str(path), thread_count=1, checksums=True)
+    storage = Checksums(threads=1)
+    writer = storage.writer(path, thread_count=1)
     with warnings.catch_warnings():  # DCP warns that no_dist saves in one process: that is the point
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
         dcp.save(state, storage_writer=writer, no_dist=True,
                  planner=_StreamingPlanner(lambda name: _read_hf(name, found[name], args)))
-    write_marker(path, {"format": FORMAT, "step": 0, "consumed_samples": 0, "tokens_seen": 0, "world_size": 1,
-                        "mesh": {"dp_replicate": 1, "dp_shard": 1}, "global_batch": 0, "scheduler": None,
-                        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
-                        MODEL_CLASS: LLAMA_CLASS, WEIGHTS_ONLY: True}, writer.sums)
+    write_marker(path, storage.commit({"format": FORMAT, "step": 0, "consumed_samples": 0, "tokens_seen": 0,
+                                       "world_size": 1, "mesh": {"dp_replicate": 1, "dp_shard": 1}, "global_batch": 0,
+                                       "scheduler": None, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                       "torch": torch.__version__, "model": model_settings(args),
+                                       MODEL_CLASS: LLAMA_CLASS, WEIGHTS_ONLY: True}, writer))
     log(f"wrote {path} ({args.num_params() / 1e6:,.1f}M parameters): give it to --checkpoint.init_from, or resume "
         f"from it with --checkpoint.dir {root} --config {path / CONFIG}")
     return path
