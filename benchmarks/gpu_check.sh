@@ -56,7 +56,7 @@ if [ -n "${BENCH_RESULTS_DIR:-}" ]; then
   mkdir -p "$BENCH_RESULTS_DIR" && export BENCH_RESULTS_DIR
   exec > >(tee "$BENCH_RESULTS_DIR/gpu_check_$(IFS=_; echo "$*").log") 2>&1
 fi
-if [ -d .whl ]; then  # for GPU hosts without network access: torchdata, tyro and their dependencies as wheels
+if [ -d .whl ]; then  # for GPU hosts without network access: tyro and its dependencies as wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi

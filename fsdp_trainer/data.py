@@ -22,7 +22,6 @@ import signal
 import sys
 import sysconfig
 import tempfile
-import warnings
 import weakref
 from collections import namedtuple
 from pathlib import Path
@@ -30,8 +29,7 @@ from typing import BinaryIO, Callable, Iterator, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fsdp_trainer.config import ConfigError, DataConfig
 
@@ -40,7 +38,7 @@ logger = logging.getLogger("fsdp_trainer")
 BYTE_EOS = 256  # the byte tokenizer's end of document; its other tokens are the byte values 0..255
 BYTE_VOCAB_SIZE = 257
 PREPARE_HINT = "make shards with `python -m fsdp_trainer.tools.prepare <inputs...> <output_dir>`"
-UNFINISHED = "PREPARE_UNFINISHED"  # in a folder prepare is writing: its complete shards may be part of the data
+UNFINISHED = "PREPARE_UNFINISHED"  # in a folder prepare is writing: its shards may be only part of the data
 
 
 class DataError(ConfigError):
@@ -396,7 +394,7 @@ def stop_workers(batches) -> None:
 _running_iterators: "weakref.WeakSet" = weakref.WeakSet()
 
 
-class _Loader(StatefulDataLoader):
+class _Loader(DataLoader):
     """Python's exit stops leftover children with SIGTERM, which our workers ignore, then waits for them: the
     iterators are remembered so that their workers can be stopped first."""
 
@@ -413,23 +411,17 @@ def _stop_running_workers() -> None:
 
 
 def build_dataloader(dataset: Dataset, *, num_workers: int, micro_batch_size: int, grad_accum_steps: int,
-                     dp_rank: int, dp_size: int, start_sample: int = 0,
-                     device_type: str = "cpu") -> StatefulDataLoader:
+                     dp_rank: int, dp_size: int, start_sample: int = 0, device_type: str = "cpu") -> DataLoader:
     """An endless loader of this rank's (inputs, labels) micro-batches, int64 [micro_batch_size, seq_len] each,
     from global sample index start_sample (the consumed-sample count when resuming), read by num_workers worker
     processes (0: in this process)."""
-    sampler = StepSampler(micro_batch_size, grad_accum_steps, dp_rank, dp_size, start_sample)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 calls a deprecated torch API
-        return _Loader(
-            dataset,
-            batch_sampler=sampler,
-            num_workers=num_workers,
-            pin_memory=device_type == "cuda",
-            persistent_workers=num_workers > 0,
-            worker_init_fn=_ignore_stop_signals,
-            # Its own generator for the workers' base seed: one drawn from the global generator would shift the
-            # training's random stream, which a resume restores exactly.
-            generator=torch.Generator(),
-            snapshot_every_n_steps=2**31,  # the trainer never reads the loader's snapshots; each costs a round trip
-        )
+    return _Loader(
+        dataset,
+        batch_sampler=StepSampler(micro_batch_size, grad_accum_steps, dp_rank, dp_size, start_sample),
+        num_workers=num_workers,
+        pin_memory=device_type == "cuda",
+        worker_init_fn=_ignore_stop_signals,
+        # Its own generator for the workers' base seed: one drawn from the global generator would shift the
+        # training's random stream, which a resume restores exactly.
+        generator=torch.Generator(),
+    )
