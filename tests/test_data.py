@@ -356,8 +356,7 @@ def real_stdlib_cache(tmp_path_factory) -> str:
     return str(cache)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("num_workers", [0, 1])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(1, marks=pytest.mark.slow)])  # 1: a worker process
 def test_starting_the_loader_leaves_the_global_random_stream_alone(num_workers):
     """A resume restores the random state, then starts the loader: it must not draw from that state."""
     state = torch.get_rng_state()
@@ -516,8 +515,7 @@ def write_bad_token_shards(folder: Path) -> None:
     write_false_shard(folder / "b.bin", tokens[4:], 257)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("num_workers", [0, 1])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(1, marks=pytest.mark.slow)])  # 1: a worker process
 def test_token_ids_past_the_vocabulary_are_refused_when_read(tmp_path, num_workers):
     write_bad_token_shards(tmp_path / "bad")
     cfg = tokens_cfg(tmp_path / "bad", num_workers=num_workers)
