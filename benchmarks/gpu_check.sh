@@ -16,6 +16,8 @@
 #                all 32
 #   card         one GPU, the 8B's shape cut to 8 blocks at seq 8192: eager and compiled per-op AC, compiled no and
 #                full AC. Run with NGPU=1 on each card type, it compares the cards on the same work (H100 against H200)
+#   evaluation   one GPU, the 8B's shape cut to 8 blocks: held-out evaluation's tokens/s beside training's (compiled
+#                per-op AC, eager per-op AC, compiled with eval micro-batch 4), and the peak with evaluations on
 #   pool         8B compiled, no/per-op/full AC: the sharded gradients in the compute stream's memory pool (the
 #                default, parallel.grads_in_compute_pool) beside FSDP2's own allocation on its reduce-scatter stream
 #   autotune     8B compiled per-op AC: Inductor's GEMM autotuning, and its coordinate-descent tuning of the fused
@@ -46,7 +48,7 @@ trap 'failed+=("${PART:-setup} (line $LINENO)")' ERR
 NGPU=${1:?usage: gpu_check.sh NGPU PART [PART ...]}
 shift
 [ $# -gt 0 ] || { echo "usage: gpu_check.sh NGPU PART [PART ...]"; exit 2; }
-PARTS="tests collectives small 8b levers keep card pool autotune copy_engines clocks profile checkpoint plan heldout capped"
+PARTS="tests collectives small 8b levers keep card evaluation pool autotune copy_engines clocks profile checkpoint plan heldout capped"
 for part in "$@"; do  # all before any: a typo in the last part must not wait for the GPU time of the others
   [[ " $PARTS " == *" $part "* ]] || { echo "unknown part: $part (the parts: $PARTS)"; exit 2; }
 done
@@ -118,6 +120,11 @@ for PART in "$@"; do
       throughput --config configs/llama3_8b.toml --steps 24 --log-every 4 --warmup 12 --name llama3_8b_8layers \
         --variant "$EAGER_OP --model.n_layers 8" --variant "$COMPILED_OP --model.n_layers 8" \
         --variant "$COMPILED_NONE --model.n_layers 8" --variant "$COMPILED_FULL --model.n_layers 8" ;;
+    evaluation)
+      evals="--model.n_layers 8 --eval.every 8 --eval.samples 32"
+      throughput --config configs/llama3_8b.toml --steps 24 --log-every 4 --warmup 12 --name eval_8b_8layers \
+        --variant "$COMPILED_OP $evals" --variant "$EAGER_OP $evals" \
+        --variant "$(lever "$COMPILED_OP" "eval mb4" "$evals --eval.micro_batch_size 4")" ;;
     pool)
       apart="--parallel.no_grads_in_compute_pool"
       throughput --config configs/llama3_8b.toml --steps 16 --log-every 4 --warmup 8 --name llama3_8b_grads_pool \

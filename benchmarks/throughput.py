@@ -1,5 +1,6 @@
 """Throughput sweep: tokens/s/GPU, TFLOPs/GPU, MFU, peak memory and the step-time breakdown (data wait,
-forward+backward, optimizer; exposed communication comes from `--profile.steps`) for named variants of a config.
+forward+backward, optimizer; exposed communication comes from `--profile.steps`) for named variants of a config,
+and, in variants that evaluate (`--eval.every`), the last evaluation's tokens/s beside training's.
 
     python benchmarks/throughput.py --config configs/llama3_8b.toml --nproc 4 --steps 30 \\
         --variant "eager op-AC=--ac.mode op --parallel.no_compile" \\
@@ -36,7 +37,8 @@ COLUMNS = [("tokens/s/GPU", "tokens_per_s_per_gpu", "{:,.0f}"), ("TFLOPs/GPU", "
            ("measured peak GiB", "measured_peak_gib", "{:.1f}"), ("data ms", "data_ms", "{:.1f}"),
            ("fwd+bwd ms", "forward_backward_ms", "{:.0f}"), ("optim ms", "optimizer_ms", "{:.1f}"),
            ("alloc retries", "alloc_retries", "{:,}"),
-           ("loss", "loss", "{:.3f}")]
+           ("loss", "loss", "{:.3f}"), ("eval tokens/s/GPU", "val/tokens_per_s_per_gpu", "{:,.0f}"),
+           ("eval / train", "eval_over_train", "{:.2f}x")]
 AVERAGED = ("tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "data_ms", "forward_backward_ms", "optimizer_ms")
 VARIANT = ("variant", "variant", "{}")
 # The trainer's line once a --profile.steps trace is written: the steps, then the breakdown per step.
@@ -67,8 +69,11 @@ def run_variant(name: str, env: dict[str, str], overrides: list[str], args, work
         row.update(steady_state(rows, args.warmup, (int(profiled[1]), int(profiled[2])) if profiled else None))
     except ValueError as err:  # the run logged fewer windows than asked (it stopped early): a failed row, not a crash
         row["error"] = str(err)
-    # The others' latest values; the planned-vs-measured peak is logged once, in the first window.
+    # The others' latest values; the planned-vs-measured peak is logged once, in the first window; the last
+    # evaluation's rate is past the first's compilation.
     row.update({key: r[key] for r in rows for _, key, _ in COLUMNS if key in r and key not in AVERAGED})
+    if "val/tokens_per_s_per_gpu" in row and "tokens_per_s_per_gpu" in row:
+        row["eval_over_train"] = row["val/tokens_per_s_per_gpu"] / row["tokens_per_s_per_gpu"]
     return row
 
 

@@ -69,6 +69,8 @@ class DataConfig:
     """stdlib: Python's own source, byte-tokenized; tokens: shards of `python -m fsdp_trainer.tools.prepare`."""
     path: Optional[str] = None
     """Folder of token shards for source=tokens (refused with any other source)."""
+    eval_path: Optional[str] = None
+    """Held-out token shards for source=tokens (None: <data.path>/val, which prepare --holdout writes)."""
     seed: int = 0
     """Seed of the sample order (or of synthetic tokens): the same samples in the same order for any world size."""
     cache_dir: str = "~/.cache/fsdp_trainer"
@@ -164,6 +166,18 @@ class ACConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int = 50
+    """Evaluate the held-out loss every N steps (0: never)."""
+    samples: int = 128
+    """Held-out samples per evaluation, the same set on any number of ranks (0: the whole held-out split)."""
+    micro_batch_size: int = 0
+    """Samples per rank per forward pass of an evaluation (0: train.micro_batch_size)."""
+    at_end: bool = True
+    """Also evaluate after the last step when train.steps is not a multiple of eval.every."""
+
+
+@dataclass
 class MetricsConfig:
     tensorboard: bool = True
     """Write TensorBoard scalars to <output_dir>/tb."""
@@ -234,6 +248,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     ac: ACConfig = field(default_factory=ACConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
@@ -246,8 +261,8 @@ class Config:
             setattr(values, name, getattr(values, name) and os.path.expanduser(getattr(values, name)))
 
 
-PATH_FIELDS = (("data", "path"), ("data", "cache_dir"), ("train", "output_dir"), ("checkpoint", "dir"),
-               ("checkpoint", "resume"), ("checkpoint", "init_from"))
+PATH_FIELDS = (("data", "path"), ("data", "eval_path"), ("data", "cache_dir"), ("train", "output_dir"),
+               ("checkpoint", "dir"), ("checkpoint", "resume"), ("checkpoint", "init_from"))
 
 
 def from_dict(raw: dict[str, Any], source: str = "config", cls: type = Config, prefix: str = "") -> Config:
@@ -360,7 +375,8 @@ _AT_LEAST = {"train.steps": 1, "train.seq_len": 1, "train.micro_batch_size": 1, 
              "optim.min_lr": 0, "optim.warmup_steps": 0, "optim.grad_clip": 0, "parallel.dp_replicate": 1,
              "parallel.prefetch": 1, "parallel.offload_threads": 0, "ac.every": 1, "checkpoint.interval": 0,
              "checkpoint.interval_minutes": 0, "checkpoint.keep": 1, "checkpoint.write_threads": 1,
-             "dist.timeout_s": 1, "dist.init_timeout_s": 1}
+             "dist.timeout_s": 1, "dist.init_timeout_s": 1, "eval.every": 0, "eval.samples": 0,
+             "eval.micro_batch_size": 0}
 
 
 def validate(cfg: Config, world_size: int, device_type: str, own_model: bool = False) -> None:
@@ -398,6 +414,12 @@ def validate(cfg: Config, world_size: int, device_type: str, own_model: bool = F
     if cfg.data.path is not None and cfg.data.source != "tokens":  # else a run meant for that data trains on other
         raise ConfigError(f"data.path={cfg.data.path} is set, but data.source={cfg.data.source} does not read it: "
                           "add --data.source tokens, or unset data.path")
+    if cfg.data.eval_path is not None and cfg.data.source != "tokens":
+        raise ConfigError(f"data.eval_path={cfg.data.eval_path} is set, but data.source={cfg.data.source} holds out "
+                          "its own data: add --data.source tokens, or unset data.eval_path")
+    if cfg.eval.samples == 0 and cfg.data.source == "synthetic":
+        raise ConfigError("eval.samples=0 evaluates the whole held-out split, and synthetic data has no end: set "
+                          "--eval.samples to a number")
     if cfg.profile.memory_snapshot and not cfg.profile.steps:
         raise ConfigError("profile.memory_snapshot records the steps of profile.steps, which is not set; add "
                           "--profile.steps a:b (e.g. 10:12)")

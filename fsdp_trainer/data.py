@@ -23,6 +23,7 @@ import sys
 import sysconfig
 import tempfile
 import weakref
+import zlib
 from collections import namedtuple
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, Optional
@@ -272,11 +273,12 @@ class TokenWindows(Dataset):
 class SyntheticTokens(Dataset):
     """Global sample index g -> uniformly random tokens, a pure function of (seed, g): no epochs, no permutation."""
 
-    def __init__(self, seq_len: int, vocab_size: int, seed: int):
+    def __init__(self, seq_len: int, vocab_size: int, seed: int, held_out: bool = False):
         self.seq_len, self.vocab_size, self.seed = seq_len, vocab_size, seed
+        self.kind = "synthetic held out" if held_out else "synthetic"  # each split's samples from seeds of its own
 
     def __getitem__(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-        generator = torch.Generator().manual_seed(_derive_seed("synthetic", self.seed, g))
+        generator = torch.Generator().manual_seed(_derive_seed(self.kind, self.seed, g))
         tokens = torch.randint(self.vocab_size, (self.seq_len + 1,), generator=generator)
         return tokens[:-1], tokens[1:]
 
@@ -287,10 +289,14 @@ class SyntheticTokens(Dataset):
         return f"data.source=synthetic: random tokens below {self.vocab_size}, samples of {self.seq_len}"
 
 
+STDLIB_HELD_OUT = 50
+"""One standard library file in this many, chosen by a hash of its path, is held out for evaluation (in val/)."""
+
+
 def stdlib_shards(cache_dir: str, root: Optional[str] = None) -> Path:
-    """The folder of the byte-tokenized standard library (its .py files, one document each), written once into
-    cache_dir under a hash of the Python version and the file list. Racing ranks each write whole files and rename
-    them into place, so no barrier is needed."""
+    """The folder of the byte-tokenized standard library (its .py files, one document each; the held-out ones in
+    val/), written once into cache_dir under a hash of the Python version and the file list. Racing ranks each write
+    whole files and rename them into place, so no barrier is needed."""
     root_dir, files = Path(root or sysconfig.get_paths()["stdlib"]), []
     for folder, subfolders, names in os.walk(root_dir):
         # Third-party packages differ between machines and would swamp the standard library's own code.
@@ -301,32 +307,46 @@ def stdlib_shards(cache_dir: str, root: Optional[str] = None) -> Path:
                           "use --data.source tokens or synthetic")
     files.sort()
     listing = "".join(f"\n{p.relative_to(root_dir)} {p.stat().st_size}" for p in files)
-    out = Path(cache_dir).expanduser() / f"stdlib-{hashlib.sha256((sys.version + listing).encode()).hexdigest()[:16]}"
+    key = hashlib.sha256(f"{sys.version} held out 1/{STDLIB_HELD_OUT}{listing}".encode()).hexdigest()[:16]
+    out = Path(cache_dir).expanduser() / f"stdlib-{key}"
     if (out / "shard_00000.json").is_file():
         return out
     logger.info(f"tokenizing {len(files)} standard library files into {out} (once)")
     separator = np.array([BYTE_EOS], np.uint16)
-    tokens = np.concatenate([t for p in files for t in (separator, np.frombuffer(p.read_bytes(), np.uint8))][1:])
+    held_out = [zlib.crc32(str(p.relative_to(root_dir)).encode()) % STDLIB_HELD_OUT == 0 for p in files]
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        write_shard(out / "shard_00000.bin", tokens, BYTE_VOCAB_SIZE, "bytes")
+        # The training shard last: its sidecar marks the folder complete.
+        for folder, split in ((out / "val", True), (out, False)):
+            docs = [np.frombuffer(p.read_bytes(), np.uint8) for p, held in zip(files, held_out) if held == split]
+            if not docs:  # a handful of files may hold none out
+                continue
+            tokens = np.concatenate([t for doc in docs for t in (separator, doc)][1:])
+            folder.mkdir(parents=True, exist_ok=True)
+            write_shard(folder / "shard_00000.bin", tokens, BYTE_VOCAB_SIZE, "bytes")
     except OSError as err:
         raise ConfigError(f"data.cache_dir={cache_dir}: cannot write the stdlib corpus there ({err}); "
                           "set --data.cache_dir to a writable folder") from None
     return out
 
 
-def build_dataset(cfg: DataConfig, seq_len: int, vocab_size: int) -> Dataset:
-    """The source chosen by cfg, indexed by global sample index; its repr describes it for the log. Raises
-    ConfigError, naming the field and a fix, if it cannot feed a model of vocab_size with seq_len samples."""
+def build_dataset(cfg: DataConfig, seq_len: int, vocab_size: int, held_out: bool = False) -> Dataset:
+    """The source chosen by cfg (`held_out`: its held-out split, disjoint from training's), indexed by global sample
+    index; its repr describes it for the log. Raises ConfigError, naming the field and a fix, if it cannot feed a
+    model of vocab_size with seq_len samples."""
     if cfg.source == "synthetic":
-        return SyntheticTokens(seq_len, vocab_size, cfg.seed)
+        return SyntheticTokens(seq_len, vocab_size, cfg.seed, held_out)
     if cfg.source == "stdlib":
-        path = str(stdlib_shards(cfg.cache_dir))
+        path = str(stdlib_shards(cfg.cache_dir) / ("val" if held_out else ""))
         where = f"data.source=stdlib (cached in {path})"
     elif cfg.path is None:
         raise ConfigError(f"data.path is not set, but data.source=tokens reads token shards from it: pass "
                           f"--data.path <folder> ({PREPARE_HINT}), or use --data.source stdlib or synthetic")
+    elif held_out:
+        path = cfg.eval_path or str(Path(cfg.path) / "val")
+        where = f"data.eval_path={path}"
+        if not (cfg.eval_path or Path(path).expanduser().is_dir()):
+            raise ConfigError(f"evaluation needs held-out data, and data.path={cfg.path} has no val/ folder: prepare "
+                              "with --holdout 0.01, pass --data.eval_path <folder>, or set --eval.every 0")
     else:
         path, where = cfg.path, f"data.path={cfg.path}"
     stream = load_shards(path, where)

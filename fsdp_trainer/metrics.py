@@ -139,13 +139,23 @@ class Metrics:
                 parts.append(f"mem {row['mem_active_gib']:.1f}/{row['mem_reserved_gib']:.1f} GiB")
             parts.append(f"elapsed {_duration(now - self.start_time)} eta {_duration(eta)}")
             logger.info(" | ".join(parts))
-            if self.tensorboard_dir:
-                if self.writer is None:  # once `start` knows the step: purge_step drops a killed run's events after it
-                    from torch.utils.tensorboard import SummaryWriter
-                    self.writer = SummaryWriter(str(self.tensorboard_dir), purge_step=self.start_step + 1)
-                for key, value in row.items():
-                    self.writer.add_scalar(f"train/{key}", value, step)
+            for key, value in row.items() if self.tensorboard_dir else ():
+                self._tensorboard().add_scalar(f"train/{key}", value, step)
         return row
+
+    def log_eval(self, step: int, row: dict) -> None:
+        """Held-out results on the console and in TensorBoard (val/...); their time is left out of training's rate."""
+        self.window_time += row["val/seconds"]
+        if self.is_main:
+            logger.info(f"step {step}/{self.total_steps} | {eval_line(row)}")
+            for key, value in row.items() if self.tensorboard_dir else ():
+                self._tensorboard().add_scalar(key, value, step)
+
+    def _tensorboard(self):
+        if self.writer is None:  # once `start` knows the step: purge_step drops a killed run's events after it
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(self.tensorboard_dir), purge_step=self.start_step + 1)
+        return self.writer
 
     def _largest_over_ranks(self, local: dict[str, float]) -> dict[str, float]:
         """Each phase time and memory peak as the largest over the ranks, and `data_rank`, the rank that waited longest
@@ -162,6 +172,11 @@ class Metrics:
     def close(self) -> None:
         if self.writer:
             self.writer.close()
+
+
+def eval_line(row: dict) -> str:
+    return (f"val/loss {row['val/loss']:.4f} | val/perplexity {row['val/perplexity']:.2f} | {row['val/tokens']:,} "
+            f"tokens in {row['val/seconds']:.1f} s, {row['val/tokens_per_s_per_gpu']:,.0f} tok/s/gpu")
 
 
 def write_run_info(output_dir: Path, config_toml: str, env: dict) -> None:

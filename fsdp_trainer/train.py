@@ -40,6 +40,7 @@ from fsdp_trainer.config import (Config, ConfigError, check_output_dirs, grads_i
 from fsdp_trainer.data import (DataError, build_dataloader, build_dataset, check_enough_samples, samples_per_step,
                                stop_workers)
 from fsdp_trainer.distributed import logger
+from fsdp_trainer.evaluate import evaluate, evaluates, is_due
 from fsdp_trainer.loss import compiled_cross_entropy, cross_entropy
 from fsdp_trainer.metrics import GiB, Metrics, PhaseTimer, environment, write_run_info
 from fsdp_trainer.models.llama import TransformerBlock, build, model_args_from_config
@@ -156,7 +157,7 @@ def mean_over_ranks(value: torch.Tensor, world_size: int) -> float:
 
 def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = None,
         signals: Optional[StopSignals] = None, dataset: Optional[Dataset] = None,
-        model_fn: Optional[ModelFn] = None) -> dict:
+        model_fn: Optional[ModelFn] = None, held_out: Optional[Dataset] = None) -> dict:
     """Train `cfg`'s Llama, or the causal language model model_fn builds (see ModelFn): forward(tokens) returns
     logits of shape (batch, seq_len, vocab_size), and with train.loss_chunk_tokens forward(tokens, labels,
     chunk_tokens) returns the mean loss."""
@@ -191,6 +192,8 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
     global_batch = samples_per_step(t.micro_batch_size, t.grad_accum_steps, info.world_size)
     if dataset is None:  # main() built it before the process group, to fail fast
         dataset = build_dataset(cfg.data, t.seq_len, model_args_from_config(cfg.model).vocab_size)
+    if held_out is None and evaluates(cfg):
+        held_out = build_dataset(cfg.data, t.seq_len, model_args_from_config(cfg.model).vocab_size, held_out=True)
     c = cfg.checkpoint
     ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, signals, data=dataset.identity(),
                         model_settings=model_settings(args) if args else None,
@@ -233,7 +236,7 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
         metrics.start(progress.step)
         profiler.start(progress.step + 1)
         rows_file = start_rows_file(output_dir, progress.step) if info.is_main else None
-        history, memory_compared = [], memory_plan is None
+        history, evals, memory_compared = [], [], memory_plan is None
         try:
             with ckpt.training(watchdog.paused, before_save=guard.check), scheduled_gc(t.gc_every) as collect_garbage:
                 while progress.step < t.steps:
@@ -255,6 +258,11 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
                                           lr, extra=extra)
                         history.append({"step": progress.step, **row})
                         append_row(rows_file, history[-1])
+                    if held_out is not None and is_due(cfg, progress.step):
+                        result = evaluate(model, held_out, cfg, device, on_pass=lambda: watchdog.beat(progress.step))
+                        metrics.log_eval(progress.step, result)
+                        evals.append({"step": progress.step, **result})
+                        append_row(rows_file, evals[-1])
                     if ckpt.after_step(progress):  # saves when due; True once the ranks agreed to stop on a signal
                         break
                 ckpt.finish(progress)
@@ -269,7 +277,8 @@ def run(cfg: Config, info: distributed.DistInfo, memory_plan: Optional[Plan] = N
             profiler.close()
             metrics.close()
             stop_workers(batches)
-    return {"step": progress.step, "history": history, "model": model, "optimizer": optimizer, "scaler": scaler}
+    return {"step": progress.step, "history": history, "evals": evals, "model": model, "optimizer": optimizer,
+            "scaler": scaler}
 
 
 @contextlib.contextmanager
@@ -337,6 +346,8 @@ def main(argv=None, model_fn: Optional[ModelFn] = None) -> None:
         check_output_dirs(cfg)
         dataset = build_dataset(cfg.data, cfg.train.seq_len, model_args_from_config(cfg.model).vocab_size)
         check_enough_samples(dataset, cfg.train.micro_batch_size, cfg.train.grad_accum_steps, world_size)
+        held_out = build_dataset(cfg.data, cfg.train.seq_len, model_args_from_config(cfg.model).vocab_size,
+                                 held_out=True) if evaluates(cfg) else None
     except ConfigError as err:  # the data may be missing or unreadable on one node only
         exit_with_error(f"[rank {rank}] {err}", show=first_on_node)
     if rank == 0:
@@ -352,7 +363,7 @@ def main(argv=None, model_fn: Optional[ModelFn] = None) -> None:
     info = distributed.init(cfg.dist.init_timeout_s, cpu_collectives=cfg.parallel.cpu_offload,
                             copy_engines=copy_engines_all_gather(cfg, world_size))
     try:
-        run(cfg, info, memory_plan, signals, dataset, model_fn)
+        run(cfg, info, memory_plan, signals, dataset, model_fn, held_out)
     except BaseException as err:
         distributed.shutdown(abort=not (isinstance(err, SystemExit) and not err.code))  # exit 0: a clean stop
         if isinstance(err, DataError):  # raised by the ranks that read the bad data only (a ConfigError too)

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_FLAGS = ["--model.n_layers", "2", "--model.dim", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
               "--model.vocab_size", "320", "--train.seq_len", "32", "--train.micro_batch_size", "2",
               "--train.log_every", "1", "--data.num_workers", "0", "--parallel.param_dtype", "float32",
-              "--metrics.no_tensorboard"]
+              "--metrics.no_tensorboard", "--eval.every", "0"]
 
 # torchrun for one node. --standalone: its rendezvous and store bind port 0 themselves, so that no other process
 # can take their port first, as it could a free port looked up beforehand. --local-addr: they meet on loopback,
@@ -102,6 +102,7 @@ def tiny_config(**sections) -> Config:
     cfg.parallel.param_dtype = "float32"
     cfg.metrics.tensorboard = False
     cfg.checkpoint.interval = 0
+    cfg.eval.every = 0
     for section, values in sections.items():
         for key, value in values.items():
             setattr(getattr(cfg, section), key, value)

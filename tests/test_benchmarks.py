@@ -320,6 +320,9 @@ def test_steady_state_counts_windows_from_warmup_on_over_all_their_steps():
     assert averaged["forward_backward_ms"] == pytest.approx(12.0)
     with pytest.raises(ValueError, match="no logging window starts at or after step 9"):
         steady_state(rows, warmup=9)
+    # An evaluation's row after a logged step (its time already left out of the next rate) changes no window.
+    evaluated = rows[:2] + [{"step": 4, "val/tokens_per_s_per_gpu": 5000.0}] + rows[2:]
+    assert steady_state(evaluated, warmup=3) == averaged
 
 
 def test_window_arguments_are_refused_exactly_where_no_window_would_count():

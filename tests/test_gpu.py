@@ -180,7 +180,7 @@ def _two_gpu_run(out, flag: str) -> tuple[list[float], str]:
                            "--train.seq_len", "2048", "--train.micro_batch_size", "2", "--train.steps", "8",
                            "--train.log_every", "1", "--train.deterministic", "--data.source", "synthetic", "--train.output_dir", str(out),
                            "--checkpoint.interval", "0", "--checkpoint.no_save_final", "--metrics.no_tensorboard",
-                           f"--parallel.{flag}"], capture_output=True, text=True, timeout=600)
+                           "--eval.every", "0", f"--parallel.{flag}"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()], proc.stderr
 
@@ -236,7 +236,7 @@ def test_cpu_offload_trains_on_two_gpus(tmp_path):
                           "fsdp_trainer.train", "--model.name", "debug", "--train.steps", "4", "--train.log_every",
                           "1", "--data.source", "synthetic", "--parallel.cpu_offload", "--parallel.no_compile",
                           "--train.output_dir", str(out), "--checkpoint.interval", "0", "--checkpoint.no_save_final",
-                          "--metrics.no_tensorboard"], check=True, timeout=300, capture_output=True, text=True)
+                          "--metrics.no_tensorboard", "--eval.every", "0"], check=True, timeout=300, capture_output=True, text=True)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(row["grad_norm"] > 0 for row in rows)
     assert f"host AdamW on {max(1, len(os.sched_getaffinity(0)) // 2)} threads" in run.stderr

@@ -120,7 +120,8 @@ def test_init_from_hf_sets_the_model_and_a_converted_checkpoint_resumes_the_same
     _, folder, checkpoints = style
     flags = ["--checkpoint.init_from", f"hf:{folder}", "--data.source", "synthetic", "--data.num_workers", "0",
              "--train.seq_len", "32", "--train.micro_batch_size", "2", "--train.steps", "2", "--train.log_every", "1",
-             "--parallel.param_dtype", "float32", "--metrics.no_tensorboard", "--checkpoint.async_mode", "none"]
+             "--parallel.param_dtype", "float32", "--metrics.no_tensorboard", "--checkpoint.async_mode", "none",
+             "--eval.every", "0"]
     main([*flags, "--train.output_dir", str(tmp_path / "new")])
     saved = weights.saved_config(ck.step_dir(tmp_path / "new/checkpoints", 2)).model
     assert saved == weights.model_config_from_hf(folder, ModelConfig())

@@ -395,7 +395,8 @@ def rows(output_dir: Path) -> list[dict]:
     path = output_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return [row for row in rows if "loss" in row]  # training rows, not evaluation rows
 
 
 def wait_for_step(output_dir: Path, step: int, procs: list[subprocess.Popen], timeout: float) -> None:

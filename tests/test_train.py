@@ -356,14 +356,18 @@ def test_meta_init_is_world_size_independent_and_equals_eager_init():
 
 @pytest.mark.slow
 def test_default_run_trains_and_writes_logs(tmp_path):
-    """The one-command run, shortened: loss falls on real text; config, environment and TensorBoard written."""
+    """The one-command run, shortened: loss falls on real text, held-out loss logged at the end; config, environment
+    and TensorBoard written."""
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--train.steps", "15", "--train.log_every", "5",
                            "--train.output_dir", str(out), "--data.num_workers", "0", "--checkpoint.interval", "0"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [row for row in rows if "val/loss" in row]
+    rows = [row for row in rows if "loss" in row]
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    assert [row["step"] for row in evals] == [15] and evals[0]["val/loss"] < rows[0]["loss"]  # at the end, by default
     assert "tok/s" in proc.stderr and "step 15/15" in proc.stderr and "ms/step data" in proc.stderr
     assert "data: " in proc.stderr and "stdlib" in proc.stderr  # what the run trains on
     # Each row's learning rate is the one its step applied (step 1 warms up from lr / warmup_steps).

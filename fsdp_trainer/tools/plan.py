@@ -67,6 +67,7 @@ from fsdp_trainer.checkpoint import CheckpointError
 from fsdp_trainer.config import (Config, ConfigError, grads_in_compute_pool, mesh_shape, parse_args,
                                  resolve_param_dtype, validate)
 from fsdp_trainer.distributed import logger
+from fsdp_trainer.evaluate import LOSS_CHUNK_TOKENS, evaluates, micro_batch_size
 from fsdp_trainer.metrics import GiB
 from fsdp_trainer.models.llama import ModelArgs, build, model_args_from_config
 from fsdp_trainer.parallelize import block_ac_modes
@@ -280,6 +281,7 @@ class _Setup:
     compiled: bool
     pooled_grads: bool  # parallel.grads_in_compute_pool applies: gradients share the compute stream's memory
     symmetric_all_gather: bool  # parallel.copy_engine_all_gather applies: all-gather outputs in NCCL's own pool
+    eval_tokens: int  # per forward pass of an evaluation (0: the run never evaluates)
 
     @property
     def tokens(self) -> int:
@@ -316,7 +318,8 @@ def _setup(cfg: Config, gpus: int, gpus_per_node: int, gpu: GPU = REFERENCE,
                   cfg.train.grad_accum_steps, cfg.ac.mode, cfg.ac.every, p.reshard_after_forward, p.keep_gathered,
                   p.cpu_offload, p.defer_grad_sync and cfg.train.grad_accum_steps > 1, cfg.train.loss_chunk_tokens,
                   p.prefetch, p.compile, grads_in_compute_pool(p, cfg.train.grad_accum_steps),
-                  p.copy_engine_all_gather and shard > 1 and gpus <= gpus_per_node)
+                  p.copy_engine_all_gather and shard > 1 and gpus <= gpus_per_node,
+                  micro_batch_size(cfg) * cfg.train.seq_len if evaluates(cfg) else 0)
 
 
 def _moments(s: _Setup) -> dict[str, dict[str, int]]:
@@ -406,6 +409,16 @@ def _moments(s: _Setup) -> dict[str, dict[str, int]]:
         weight_grad_float32 = 0
         loss_moment = {"loss backward": {**base, "blocks": block_acts, "head": head,
                                          "logits": held_logits + loss_buffers}}
+    if s.eval_tokens:
+        # An evaluation's forward, after zero_grad freed the gradients, saving nothing: the residual stream and one
+        # block's tensors (at most what it saves for backward), or the logits and one float32 chunk of them.
+        t, eval_chunk = s.eval_tokens, min(LOSS_CHUNK_TOKENS, s.eval_tokens)
+        in_block = {"comm": gathered_unless_kept(blocks[-1]) + prefetched, "head": s.pbytes * t * s.args.dim,
+                    "work": block_bytes_by_mode(s.args, t, s.pbytes)["none"]}
+        at_loss = {"comm": gathered_unless_kept(first_back), "head": s.pbytes * t * s.args.dim,
+                   "logits": s.pbytes * t * vocab + 8 * eval_chunk * vocab}
+        loss_moment["eval forward"] = {**base, "grads": 0, "deferred": 0,
+                                       **max(in_block, at_loss, key=lambda rows: sum(rows.values()))}
     return {
         **loss_moment,
         # output projection's backward: logits and their param_dtype gradient (chunked: the hidden states'

@@ -9,6 +9,7 @@ are joined with the tokenizer's end-of-document token (256 for bytes) and cut in
 """
 
 import argparse
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -152,10 +153,18 @@ def _holds_shards(root: Path) -> bool:
     return bool(shard_files(root, ".bin")) or any(map(is_sidecar, shard_files(root, ".json")))
 
 
+def _held_out(doc: bytes, fraction: float) -> bool:
+    """Whether --holdout puts a document in val/: by a hash of its text, so the same documents whatever the order
+    or sharding of the files, and a copy of a document in the document's split."""
+    return int.from_bytes(hashlib.blake2b(doc, digest_size=8).digest(), "little") < fraction * 2**64
+
+
 def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = None,
-            shard_tokens: int = DEFAULT_SHARD_TOKENS, log: Callable[[str], None] = print) -> list[tuple[Path, int]]:
+            shard_tokens: int = DEFAULT_SHARD_TOKENS, log: Callable[[str], None] = print,
+            holdout: float = 0.0) -> list[tuple[Path, int]]:
     """Tokenize .txt files (one document each) and .jsonl files (a "text" field per line), or folders of them, into
     shards in output_dir; returns each shard written with its token count. Raises ValueError on bad inputs.
+    `holdout`: the fraction of the documents written to output_dir/val instead, for evaluation.
 
     The folder holds the UNFINISHED marker from before the first shard until the last is on disk, so that a prepare
     killed midway (SIGKILL, the OOM killer, a power cut), which nothing can clean up after, leaves a folder that
@@ -163,6 +172,8 @@ def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = N
     last, and is raised again."""
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens {shard_tokens}: must be at least 1")
+    if not 0 <= holdout < 1:
+        raise ValueError(f"--holdout {holdout}: must be a fraction of the documents in [0, 1), e.g. 0.01")
     files = _input_files(inputs)
     encoder = _byte_encoder() if tokenizer is None else _hf_encoder(tokenizer)
     out = Path(output_dir)
@@ -186,11 +197,16 @@ def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = N
         f.flush()
         os.fsync(f.fileno())
     fsync_folder(out)
-    if _holds_shards(out):
+    val = out / "val"
+    if _holds_shards(out) or (val.is_dir() and _holds_shards(val)):
         marker.unlink()
         raise ValueError(f"{out} already holds shards, which a reader would mix with the new ones; prepare into a "
                          "folder that holds no shards yet (a new one, say)")
     writer = _ShardWriter(out, encoder.vocab_size, encoder.name, encoder.eos, shard_tokens, log)
+    val_writer = _ShardWriter(val, encoder.vocab_size, encoder.name, encoder.eos, shard_tokens, log)
+    if holdout:  # val/ is read on its own (data.eval_path), so it carries a marker of its own
+        val.mkdir(exist_ok=True)
+        (val / UNFINISHED).write_bytes((out / UNFINISHED).read_bytes())
     try:
         for path in files:
             for doc in _documents(path):
@@ -200,19 +216,26 @@ def prepare(inputs: Sequence[str], output_dir: str, tokenizer: Optional[str] = N
                     raise ValueError(f"{path}: not UTF-8 text ({err}); re-encode it as UTF-8 (iconv -t UTF-8)") \
                         from None
                 if len(tokens):  # an empty document would only add a second end-of-document token
-                    writer.add(tokens)
-        written = writer.close()
+                    (val_writer if holdout and _held_out(doc, holdout) else writer).add(tokens)
+        written, held = writer.close(), val_writer.close()
         if not written:
-            raise ValueError(f"no text in {', '.join(inputs)}: every document is empty")
+            raise ValueError(f"no text in {', '.join(inputs)}: every document is empty or held out")
+        if holdout and not held:
+            raise ValueError(f"--holdout {holdout} held out no document: raise it, or add documents")
     except BaseException as err:
         # The folder held no shards: what this call wrote goes, so that the same command works once the input is
         # fixed, rather than finding the folder taken.
         writer.remove()
+        val_writer.remove()
+        (val / UNFINISHED).unlink(missing_ok=True)
+        if holdout and not any(val.iterdir()):
+            val.rmdir()
         marker.unlink()
         if isinstance(err, ValueError):
             raise ValueError(f"{err} (no shards written)") from None
         raise
     # Every shard and sidecar is on disk already (write_atomic): only now may the folder pass for complete.
+    (val / UNFINISHED).unlink(missing_ok=True)
     marker.unlink()
     fsync_folder(out)
     return written
@@ -229,9 +252,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                             "written in a document are encoded as text; default: bytes, token 256 "
                                             "separating documents")
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
+    parser.add_argument("--holdout", type=float, default=0.0,
+                        help="fraction of the documents, chosen by a hash of their text, written to <output_dir>/val "
+                             "for evaluation, where the trainer looks for them (data.eval_path)")
     args = parser.parse_args(argv)
     try:
-        written = prepare(args.inputs, args.output_dir, args.tokenizer, args.shard_tokens)
+        written = prepare(args.inputs, args.output_dir, args.tokenizer, args.shard_tokens, holdout=args.holdout)
     except ValueError as err:
         parser.exit(2, f"error: {err}\n")
     meta = json.loads(written[0][0].with_suffix(".json").read_text())
