@@ -233,11 +233,12 @@ def test_a_run_with_headroom_is_offered_the_most_blocks_kept_gathered_that_still
 
 @pytest.mark.parametrize("setting,default", [
     (["--parallel.no_grads_in_compute_pool"], {"parallel.grads_in_compute_pool": True}),
-    (["--parallel.prefetch", "4"], {"parallel.prefetch": 1}),
-], ids=["gradients-apart", "prefetch-4"])
+    (["--parallel.prefetch", "8"], {"parallel.prefetch": 1}),
+], ids=["gradients-apart", "prefetch-8"])
 def test_the_default_that_costs_no_time_is_the_first_change_offered(setting, default):
     """A run short of memory because it keeps the sharded gradients apart from the compute stream's memory, or
-    prefetches 4 blocks ahead: going back to the default fits at no cost in time, before any slower change."""
+    prefetches 8 blocks ahead (4 add less than the error band): going back to the default fits at no cost in time,
+    before any slower change."""
     flags = ("--ac.mode", "op", "--parallel.compile")
     usual = plan(cfg_for(*flags), 4, BIG).total_bytes
     p = plan(cfg_for(*flags, *setting), 4, usual + int(ERROR_BAND * usual))
@@ -293,13 +294,13 @@ def test_options_for_a_run_that_fits_leave_a_margin_of_the_gpu_free():
 
 def test_reshard_never_is_offered_default_first_and_always_only_where_default_does_not_fit():
     never = ("--ac.mode", "op", "--parallel.reshard_after_forward", "never")
-    roomy = plan(cfg_for(*never), 4, parse_memory("72GiB"))
+    roomy = plan(cfg_for(*never), 4, parse_memory("74GiB"))
     first = next(s for s in roomy.suggestions if "gpus" not in s.change)  # 16 GPUs come first: ~same speed
     assert not roomy.fits and first.change == {"parallel.reshard_after_forward": "default"}
     assert first.note == "frees every block and the embedding after forward (gathered again in backward)"
     assert not any(s.change.get("parallel.reshard_after_forward") == "always" for s in roomy.suggestions)
-    # On 70.7 GiB default misses the band by half a GiB; always also frees the output layer and leaves it.
-    tight = plan(cfg_for(*never), 4, parse_memory("70.7GiB"))
+    # On 72.4 GiB default misses the band by half a GiB; always also frees the output layer and leaves it.
+    tight = plan(cfg_for(*never), 4, parse_memory("72.4GiB"))
     always = [s for s in tight.suggestions if s.change.get("parallel.reshard_after_forward") == "always"]
     assert {"parallel.reshard_after_forward": "always"} in [s.change for s in always]
     assert "frees every block, the embedding and the output layer after forward" in always[0].note
@@ -317,7 +318,7 @@ def test_a_run_inside_the_error_band_is_marginal_and_told_the_cheapest_change_th
     outside the band, cheapest first, as a run that does not fit is, and its summary line names the first."""
     cfg = cfg_for("--ac.mode", "op", "--parallel.compile")
     total = plan(cfg, 8, BIG).total_bytes
-    band = int(0.025 * total)
+    band = int(ERROR_BAND * total)
     verdicts = [plan(cfg, 8, capacity).verdict for capacity in (total - 1, total, total + band - 1, total + band)]
     assert verdicts == ["does not fit", "marginal", "marginal", "fits"]
     p = plan(cfg, 8, total + band // 2)
@@ -325,20 +326,21 @@ def test_a_run_inside_the_error_band_is_marginal_and_told_the_cheapest_change_th
     assert all(leaves_band(s.total_bytes, p.capacity_bytes) for s in p.suggestions)
     assert [s.cost for s in p.suggestions] == sorted(s.cost for s in p.suggestions)
     assert p.summary_line().endswith(f"GiB): it may not fit; to leave the band {p.suggestions[0].describe()}")
-    assert "MARGINAL" in p.summary_line() and "inside the plan's error band of ±2.5%" in p.summary_line()
+    assert "MARGINAL" in p.summary_line() and f"inside the plan's error band of ±{ERROR_BAND:.1%}" in p.summary_line()
     assert "changes that fit outside the error band, cheapest first" in p.render()
 
 
 def test_the_error_band_is_the_worst_error_of_the_newest_held_out_table():
-    """ERROR_BAND is provisional, 2.5%, until `benchmarks/plan_accuracy.py --heldout` records a table; then it is that
-    table's worst held-out error, peak or reserved, either way, rounded up to half a percent."""
+    """ERROR_BAND is the newest `benchmarks/plan_accuracy.py --heldout` table's worst held-out error, peak or
+    reserved, either way, rounded up to half a percent: no wider, and never narrower than an error measured."""
     tables = sorted((ROOT / "benchmarks" / "results").glob("*/plan_heldout.json"))
-    if not tables:
-        assert ERROR_BAND == 0.025
-        return
-    rows = [r for r in json.loads(tables[-1].read_text())["rows"] if r["set"] == "held-out"]
-    worst = max(abs(r[key]) for r in rows for key in ("peak_error_pct", "reserved_error_pct") if key in r)
-    assert ERROR_BAND == math.ceil(worst * 2 - 1e-9) / 200, worst
+    assert tables, "no benchmarks/results/*/plan_heldout.json: ERROR_BAND has no held-out measurement behind it"
+    table = json.loads(tables[-1].read_text())
+    rows = [r for r in table["rows"] if r["set"] == "held-out" and "error" not in r]
+    assert rows and not table["summary"]["failed"], tables[-1]
+    worst = max(abs(r[key]) for r in rows for key in ("peak_error_pct", "reserved_error_pct"))
+    assert worst <= 100 * ERROR_BAND and ERROR_BAND == math.ceil(worst * 2 - 1e-9) / 200, (tables[-1], worst)
+    assert table["summary"]["error_band"] == ERROR_BAND  # what the benchmark printed as the band
 
 
 def test_the_trainer_warns_of_a_marginal_plan_and_names_the_change_that_leaves_the_band(monkeypatch, capsys):
@@ -351,7 +353,7 @@ def test_the_trainer_warns_of_a_marginal_plan_and_names_the_change_that_leaves_t
     cfg = cfg_for("--ac.mode", "op", "--parallel.compile")
     total = preflight(cfg, 4, 0, False, True).total_bytes
     assert capsys.readouterr().err.startswith("memory plan: ")
-    memory[0] = total + int(0.025 * total) // 2
+    memory[0] = total + int(ERROR_BAND * total) // 2
     marginal = preflight(cfg, 4, 0, False, True)  # starts: a warning, not a refusal
     err = capsys.readouterr().err
     assert marginal.verdict == "marginal" and err.startswith("warning: memory plan: ") and "MARGINAL" in err
@@ -786,7 +788,7 @@ def test_the_copy_engines_all_gather_is_priced_and_offered_both_ways():
     """Turned off, FSDP2's all-gather costs the compute time NCCL's kernels take (1.5% modeled for the compiled 8B,
     2.1% measured) and saves the symmetric pool's 0.98 GiB: offered, with the chunked loss, where that is what fits;
     turned off by a run, it is offered back as faster."""
-    tight = plan(cfg_for("--ac.mode", "full", "--parallel.compile"), 4, parse_memory("40.2GiB"))
+    tight = plan(cfg_for("--ac.mode", "full", "--parallel.compile"), 4, parse_memory("41.2GiB"))
     assert not tight.fits
     assert {"parallel.copy_engine_all_gather": False, "train.loss_chunk_tokens": 2048} in [
         s.change for s in tight.suggestions]
