@@ -1,14 +1,11 @@
 """The training loss, cross-entropy in float32, computed one of three ways.
 
-- Eager, `cross_entropy` of the logits holds at its backward three float32 tensors of the logits' size beside
-  them: log-softmax's output saved by the forward, nll_loss's gradient and log-softmax's input gradient.
+- Eager, `cross_entropy` holds three float32 tensors of the logits' size at its backward.
 - Compiled with the blocks (`compiled_cross_entropy`), Inductor saves only the logits and a log-sum-exp per token,
-  and its backward writes the logits' gradient in param_dtype in one pass: no float32 tensor of that size exists.
-- Chunked (`train.loss_chunk_tokens`, `linear_cross_entropy`), the logits of the whole sequence never exist: each
-  chunk's logits are made, turned into that chunk's loss and its gradients with respect to the hidden states and
-  the projection weight, and dropped. The gradients are therefore computed in the forward pass (the loss is the
-  last operation, so they are known up to the scale that backward brings) and held until backward. The weight's
-  gradient sums over chunks in float32 and is cast once: in bfloat16 its rounding error grows with the chunks.
+  and writes the logits' gradient in param_dtype in one pass: no float32 tensor of that size exists.
+- Chunked (`train.loss_chunk_tokens`, `linear_cross_entropy`), the whole sequence's logits never exist: each chunk's
+  logits become its loss and its gradients (known in forward, as the loss is the last operation), then are dropped.
+  The weight's gradient sums over chunks in float32: in bfloat16 its rounding error would grow with the chunks.
 """
 
 from __future__ import annotations

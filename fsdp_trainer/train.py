@@ -1,18 +1,9 @@
-"""Train a Llama-style model with FSDP2.
+"""Train a Llama-style model, or a team's own (`main(model_fn=...)`, see ModelFn), with FSDP2.
 
-Runbook:
-    # CPU (about 1.5 minutes on two cores) or one GPU, the debug model on the Python standard library's source
-    # (no download):
-    python -m fsdp_trainer.train
-    # one node, 8 GPUs:
-    torchrun --nproc_per_node=8 -m fsdp_trainer.train --config configs/llama3_8b.toml
-    # two nodes (run on each; see launch/multinode.sh and launch/slurm.sbatch):
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=$HEAD:29500 --rdzv-id=$JOB \\
-        -m fsdp_trainer.train --config configs/llama3_8b.toml
-    # any flag overrides the TOML file; --help lists them all:
-    python -m fsdp_trainer.train --config configs/llama3_1b.toml --train.steps 50 --ac.mode op
-    # a team's own causal language model: a script that calls fsdp_trainer.train.main(model_fn=...) (see ModelFn),
-    # launched and flagged like the lines above
+    python -m fsdp_trainer.train                                     # the debug model, on CPU or one GPU
+    torchrun --nproc_per_node=8 -m fsdp_trainer.train --config configs/llama3_8b.toml --train.steps 50
+
+Flags override the TOML file; --help lists them. launch/ holds the multi-node launchers.
 """
 
 from __future__ import annotations
