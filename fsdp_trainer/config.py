@@ -59,10 +59,6 @@ class ModelConfig:
                 if f.name != "name" and getattr(self, f.name) is not None}
 
 
-ACMode = Literal["none", "full", "selective", "op"]  # ac.mode's values, which parallelize.apply_ac takes too
-ReshardPolicy = Literal["default", "always", "never"]  # parallel.reshard_after_forward's, as apply_fsdp's
-
-
 @dataclass
 class DataConfig:
     source: Literal["stdlib", "tokens", "synthetic"] = "stdlib"
@@ -137,7 +133,7 @@ class ParallelConfig:
     """Dtype of the gathered parameters (auto: bfloat16, or float16 with loss scaling on older GPUs, float32 on CPU)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype gradients are reduce-scattered in."""
-    reshard_after_forward: ReshardPolicy = "default"
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward: default (all but the last module to run), always, never (more memory)."""
     keep_gathered: int = 0
     """With reshard_after_forward=default, also keep the last N blocks gathered from forward through backward."""
@@ -159,7 +155,7 @@ class ParallelConfig:
 
 @dataclass
 class ACConfig:
-    mode: ACMode = "none"
+    mode: Literal["none", "full", "selective", "op"] = "none"
     """Activation checkpointing: none; full; selective (every N-th block); op (recompute all but matmuls, attention)."""
     every: int = 2
     """For mode=selective: checkpoint every N-th block."""
@@ -268,40 +264,35 @@ PATH_FIELDS = (("data", "path"), ("data", "eval_path"), ("data", "cache_dir"), (
 def from_dict(raw: dict[str, Any], source: str = "config", cls: type = Config, prefix: str = "") -> Config:
     """A Config (or a section of it) from nested dicts, a parsed TOML file, rejecting unknown keys by name."""
     types = {name: hint for name, hint in get_type_hints(cls).items() if name != "config"}  # --config's alone
-    kwargs = {}
-    for key, value in raw.items():
+    for key in raw:
         if key not in types:
             close = difflib.get_close_matches(key, types, n=1)
             hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(types)}"
             raise ConfigError(f"{source}: unknown key '{prefix}{key}'; {hint}")
-        if dataclasses.is_dataclass(types[key]):  # a section
-            if not isinstance(value, dict):
-                raise ConfigError(f"{source}: '{prefix}{key}' must be a [{prefix}{key}] table")
-            kwargs[key] = from_dict(value, source, types[key], prefix=f"{prefix}{key}.")
-        else:
-            kwargs[key] = _checked(value, types[key], f"{source}: {prefix}{key}")
-    return cls(**kwargs)
+    return cls(**{key: _checked(value, types[key], source, prefix + key) for key, value in raw.items()})
 
 
-def _checked(value: Any, annotation: Any, where: str) -> Any:
+def _checked(value: Any, annotation: Any, source: str, name: str) -> Any:
     """A TOML value checked against its field's type (the CLI gets the same checks from tyro)."""
     options, origin = get_args(annotation), get_origin(annotation)
     if origin is Union:  # Optional[X]
-        return _checked(value, options[0], where)
-    if origin is Literal and value not in options:
-        raise ConfigError(f"{where} = {value!r} is not one of {', '.join(map(repr, options))}")
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where} = {value!r}: expected a table, such as {{factor = 8.0}}")
-        return {key: _checked(v, options[1], f"{where}.{key}") for key, v in value.items()}
-    if origin is tuple:
-        if isinstance(value, list) and len(value) == len(options):
-            return tuple(_checked(v, t, where) for v, t in zip(value, options))
-        raise ConfigError(f"{where} = {value!r}: expected a list of {len(options)} numbers")
-    expected = {float: (int, float), int: int, bool: bool, str: str}.get(annotation, object)
-    if not isinstance(value, expected) or (annotation is not bool and isinstance(value, bool)):
-        raise ConfigError(f"{where} = {value!r}: expected {annotation.__name__}")
-    return float(value) if annotation is float else value
+        return _checked(value, options[0], source, name)
+    if dataclasses.is_dataclass(annotation) and isinstance(value, dict):  # a section
+        return from_dict(value, source, annotation, prefix=f"{name}.")
+    if origin is Literal and value in options:
+        return value
+    if origin is dict and isinstance(value, dict):
+        return {key: _checked(v, options[1], source, f"{name}.{key}") for key, v in value.items()}
+    if origin is tuple and isinstance(value, list) and len(value) == len(options):
+        return tuple(_checked(v, t, source, name) for v, t in zip(value, options))
+    scalar = {float: (int, float), int: int, bool: bool, str: str}.get(annotation)
+    if scalar and isinstance(value, scalar) and (annotation is bool or not isinstance(value, bool)):
+        return float(value) if annotation is float else value
+    expected = {Literal: f"one of {', '.join(map(repr, options))}", dict: "a table, such as {factor = 8.0}",
+                tuple: f"a list of {len(options)} numbers"}.get(origin, getattr(annotation, "__name__", annotation))
+    if dataclasses.is_dataclass(annotation):
+        expected = f"a [{name}] table"
+    raise ConfigError(f"{source}: {name} = {value!r}: expected {expected}")
 
 
 def load_toml(path: str | Path) -> Config:
@@ -374,9 +365,8 @@ _AT_LEAST = {"train.steps": 1, "train.seq_len": 1, "train.micro_batch_size": 1, 
              "train.log_every": 1, "train.loss_chunk_tokens": 0, "train.gc_every": 0, "train.max_skipped_steps": 0,
              "optim.min_lr": 0, "optim.warmup_steps": 0, "optim.grad_clip": 0, "parallel.dp_replicate": 1,
              "parallel.prefetch": 1, "parallel.offload_threads": 0, "ac.every": 1, "checkpoint.interval": 0,
-             "checkpoint.interval_minutes": 0, "checkpoint.keep": 1, "checkpoint.write_threads": 1,
-             "dist.timeout_s": 1, "dist.init_timeout_s": 1, "eval.every": 0, "eval.samples": 0,
-             "eval.micro_batch_size": 0}
+             "checkpoint.interval_minutes": 0, "checkpoint.keep": 1, "checkpoint.write_threads": 1, "dist.timeout_s": 1,
+             "dist.init_timeout_s": 1, "eval.every": 0, "eval.samples": 0, "eval.micro_batch_size": 0}
 
 
 def validate(cfg: Config, world_size: int, device_type: str, own_model: bool = False) -> None:
@@ -411,12 +401,10 @@ def validate(cfg: Config, world_size: int, device_type: str, own_model: bool = F
     if p.keep_gathered and p.reshard_after_forward != "default":
         raise ConfigError(f"parallel.keep_gathered={p.keep_gathered} adds blocks to what reshard_after_forward="
                           f"default keeps, but reshard_after_forward={p.reshard_after_forward}; set one or the other")
-    if cfg.data.path is not None and cfg.data.source != "tokens":  # else a run meant for that data trains on other
-        raise ConfigError(f"data.path={cfg.data.path} is set, but data.source={cfg.data.source} does not read it: "
-                          "add --data.source tokens, or unset data.path")
-    if cfg.data.eval_path is not None and cfg.data.source != "tokens":
-        raise ConfigError(f"data.eval_path={cfg.data.eval_path} is set, but data.source={cfg.data.source} holds out "
-                          "its own data: add --data.source tokens, or unset data.eval_path")
+    for name in ("path", "eval_path"):  # else a run meant for that data trains on other data
+        if settings[f"data.{name}"] is not None and cfg.data.source != "tokens":
+            raise ConfigError(f"data.{name}={settings[f'data.{name}']} is set, but data.source={cfg.data.source} "
+                              f"does not read it: add --data.source tokens, or unset data.{name}")
     if cfg.eval.samples == 0 and cfg.data.source == "synthetic":
         raise ConfigError("eval.samples=0 evaluates the whole held-out split, and synthetic data has no end: set "
                           "--eval.samples to a number")

@@ -1,14 +1,13 @@
 """Training data: token shards, the sample order, and each rank's data loader.
 
 A shard is `<name>.bin` (little-endian uint16, or uint32 for vocabularies over 65536) plus a sidecar `<name>.json`
-{"dtype", "num_tokens", "vocab_size", "tokenizer"}; `python -m fsdp_trainer.tools.prepare` makes them. A folder's
-shards form one token stream, ordered by the numbers in their names, documents separated by an end-of-document token.
+{"dtype", "num_tokens", "vocab_size", "tokenizer"}, made by `python -m fsdp_trainer.tools.prepare`. A folder's
+shards, ordered by the numbers in their names, form one token stream of documents separated by an end-of-document token.
 
 Sample k is the window tokens[k*L : k*L + L + 1] (inputs: the first L, labels: the last L). Global sample index g
-reads sample permutation(seed, g // n)[g % n] for n samples per epoch: the order is a pure function of (seed, g).
-One optimizer step consumes global indices [base, base + G) with G = micro_batch_size x grad_accum_steps x dp_size;
-micro-batch m of data-parallel rank r holds base + m*dp_size*b + r*b + [0, b). Which samples a step sees depends
-only on G, so a run resumed from its consumed-sample count on any number of ranks continues the same sequence.
+reads sample permutation(seed, g // n)[g % n] for n samples per epoch. A step consumes global indices [base, base + G),
+G = micro_batch_size x grad_accum_steps x dp_size; micro-batch m of data-parallel rank r holds base + m*dp_size*b +
+r*b + [0, b). Only G decides a step's samples, so a resume from the consumed-sample count works on any number of ranks.
 """
 
 import atexit
@@ -43,17 +42,15 @@ UNFINISHED = "PREPARE_UNFINISHED"  # in a folder prepare is writing: its shards 
 
 
 class DataError(ConfigError):
-    """Data found unusable while training (checked as read: a scan at start-up would take too long). Raised in a
-    loader worker, torch rebuilds it from the whole formatted traceback: keep the message only."""
+    """Data found unusable as read; torch rebuilds one raised in a worker from its traceback: keep the message."""
 
     def __init__(self, message: str):
         super().__init__(message.strip().rsplit(f"{DataError.__name__}: ", 1)[-1])
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write through a unique temporary file, then rename it into place: readers and racing writers see only whole
-    files, and once this returns the data and the name are on disk (so a file written after it, a sidecar or a
-    checkpoint's marker, never outlives it in a crash). The '.tmp' suffix keeps it out of '*.bin'/'*.json' globs."""
+    """Write through a temporary file renamed into place: readers and racing writers see only whole files, and a
+    file written after this returns (a sidecar, a checkpoint's marker) never outlives it in a crash."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o644)  # mkstemp makes files private; shards, caches and checkpoints may be shared
@@ -78,16 +75,10 @@ def fsync_folder(path: Path) -> None:
 
 
 def write_shard(bin_path: Path, tokens: np.ndarray, vocab_size: int, tokenizer: str) -> None:
-    """Write one shard, then its sidecar, whose presence marks the shard complete. Raises ValueError for an id
-    outside [0, vocab_size): the dtype cast would wrap it (70000 -> 4464 in uint16) into a shard that passes."""
-    dtype = np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
-    if len(tokens) and not 0 <= tokens.min() <= tokens.max() < vocab_size:
-        raise ValueError(f"{bin_path}: token ids span [{tokens.min()}, {tokens.max()}], not inside [0, vocab_size="
-                         f"{vocab_size}), so the {dtype.name} shard would hold wrong ids; pass the tokenizer's ids "
-                         "unchanged, and its largest id + 1 as vocab_size")
-    data = np.ascontiguousarray(tokens, dtype=dtype)
+    """Write one shard, then its sidecar, whose presence marks the shard complete; ids must be in [0, vocab_size)."""
+    data = np.ascontiguousarray(tokens, dtype="<u2" if vocab_size <= 2**16 else "<u4")
     write_atomic(bin_path, data.tofile)
-    meta = {"dtype": dtype.name, "num_tokens": len(data), "vocab_size": vocab_size, "tokenizer": tokenizer}
+    meta = {"dtype": data.dtype.name, "num_tokens": len(data), "vocab_size": vocab_size, "tokenizer": tokenizer}
     write_atomic(bin_path.with_suffix(".json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
 
 
@@ -105,8 +96,7 @@ def _read_sidecar(bin_path: Path, where: str) -> Shard:
         valid = (isinstance(num_tokens, int) and num_tokens >= 0 and isinstance(vocab_size, int) and vocab_size > 0
                  and isinstance(tokenizer, str))
     except OSError as err:
-        raise ConfigError(f"{where}: cannot read {err.filename} ({err.strerror}); make it readable, or {fix}") \
-            from None
+        raise ConfigError(f"{where}: cannot read {err.filename} ({err.strerror}); make it readable, or {fix}") from None
     except (ValueError, KeyError, TypeError):  # not JSON, not an object, a key or dtype missing or unknown
         valid = False
     if not valid:
@@ -168,15 +158,6 @@ def shard_files(root: Path, suffix: str) -> list[Path]:
                                         p.name))
 
 
-def is_sidecar(path: Path) -> bool:
-    """Whether a .json file has every key of a sidecar (not a tokenizer.json or statistics kept beside shards)."""
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and {"dtype", "num_tokens", "vocab_size", "tokenizer"} <= meta.keys()
-
-
 def load_shards(path: str, where: Optional[str] = None) -> TokenStream:
     """Open the shards in folder `path`; `where` names the setting that chose it, for error messages."""
     where, root = where or f"data.path={path}", Path(path).expanduser()
@@ -184,18 +165,11 @@ def load_shards(path: str, where: Optional[str] = None) -> TokenStream:
         problem = "is a file" if root.exists() else "does not exist"
         raise ConfigError(f"{where}: {root} {problem}; expected a folder of token shards ({PREPARE_HINT})")
     if (root / UNFINISHED).exists():
-        raise ConfigError(f"{where}: {root / UNFINISHED} is there: the prepare writing this folder was interrupted "
-                          "(or is still running), so its shards may hold only part of the data; remove the folder "
-                          "and run prepare again")
+        raise ConfigError(f"{where}: {root / UNFINISHED} is there: the prepare writing this folder was interrupted or "
+                          "is running: its shards may hold part of the data; remove the folder and run prepare again")
     bins = shard_files(root, ".bin")
     if not bins:
         raise ConfigError(f"{where}: no token shards (<name>.bin + <name>.json) in {root}; {PREPARE_HINT}")
-    names = set(bins)
-    for meta_path in shard_files(root, ".json"):
-        if meta_path.with_suffix(".bin") not in names and is_sidecar(meta_path):
-            raise ConfigError(f"{where}: shard {meta_path.with_suffix('.bin').name} is missing, but its sidecar "
-                              f"{meta_path.name} is there (an interrupted copy?); copy the folder again, or "
-                              f"{PREPARE_HINT}")
     return TokenStream([_read_sidecar(b, where) for b in bins], where)
 
 
@@ -206,8 +180,8 @@ def _derive_seed(*parts: object) -> int:
 
 class SampleOrder:
     """Global sample index g -> sample index: epoch g // n visits all n samples in a permutation of (seed, epoch),
-    computed per index (a stored one takes 8 bytes a sample in every worker). A Feistel network permutes [0, 4**h)
-    for the smallest h that holds n - 1; applied until it lands in [0, n), it is a permutation of [0, n)."""
+    computed per index (no stored permutation in every worker): a Feistel network on [0, 4**h) for the smallest h
+    that holds n - 1, applied until it lands in [0, n)."""
 
     ROUNDS = 6  # four suffice for a pseudo-random permutation from random round functions (Luby-Rackoff)
 
@@ -258,8 +232,7 @@ class TokenWindows(Dataset):
         return self.window(self.order(g))
 
     def identity(self) -> dict:
-        """What sample g is, besides seq_len: the seed and the shards' names, sizes and tokenizer name (not their
-        contents, which would take minutes to hash; nor their folders, which may move)."""
+        """What sample g is, besides seq_len: seed, shards' names, sizes and tokenizer (hashing contents is slow)."""
         shards = [(s.path.name, s.num_tokens, Path(s.tokenizer).name) for s in self.stream.shards]
         digest = hashlib.blake2b(json.dumps(shards).encode(), digest_size=8).hexdigest()
         return {"kind": "token shards", "order": "feistel", "seed": self.order.seed, "tokens": len(self.stream),
@@ -289,14 +262,12 @@ class SyntheticTokens(Dataset):
         return f"data.source=synthetic: random tokens below {self.vocab_size}, samples of {self.seq_len}"
 
 
-STDLIB_HELD_OUT = 50
-"""One standard library file in this many, chosen by a hash of its path, is held out for evaluation (in val/)."""
+STDLIB_HELD_OUT = 50  # one standard library file in this many, by a hash of its path, is held out (in val/)
 
 
 def stdlib_shards(cache_dir: str, root: Optional[str] = None) -> Path:
-    """The folder of the byte-tokenized standard library (its .py files, one document each; the held-out ones in
-    val/), written once into cache_dir under a hash of the Python version and the file list. Racing ranks each write
-    whole files and rename them into place, so no barrier is needed."""
+    """The byte-tokenized standard library's .py files (held-out ones in val/), written once into cache_dir under a
+    hash of the Python version and file list. Racing ranks each rename whole files into place: no barrier needed."""
     root_dir, files = Path(root or sysconfig.get_paths()["stdlib"]), []
     for folder, subfolders, names in os.walk(root_dir):
         # Third-party packages differ between machines and would swamp the standard library's own code.
@@ -330,9 +301,8 @@ def stdlib_shards(cache_dir: str, root: Optional[str] = None) -> Path:
 
 
 def build_dataset(cfg: DataConfig, seq_len: int, vocab_size: int, held_out: bool = False) -> Dataset:
-    """The source chosen by cfg (`held_out`: its held-out split, disjoint from training's), indexed by global sample
-    index; its repr describes it for the log. Raises ConfigError, naming the field and a fix, if it cannot feed a
-    model of vocab_size with seq_len samples."""
+    """The source cfg chooses (`held_out`: its held-out split), indexed by global sample index; a ConfigError naming
+    the field and a fix if it cannot feed a model of vocab_size with seq_len samples."""
     if cfg.source == "synthetic":
         return SyntheticTokens(seq_len, vocab_size, cfg.seed, held_out)
     if cfg.source == "stdlib":
@@ -399,8 +369,7 @@ class StepSampler(Sampler[list[int]]):
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
-    """torchrun sends SIGTERM to a rank's process group: a worker it killed would take the rank down before its
-    checkpoint. Workers leave SIGTERM and SIGUSR1 to the trainer, and end with it."""
+    """torchrun SIGTERMs a rank's process group: a worker it killed would take the rank down before its checkpoint."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
@@ -433,15 +402,13 @@ def _stop_running_workers() -> None:
 def build_dataloader(dataset: Dataset, *, num_workers: int, micro_batch_size: int, grad_accum_steps: int,
                      dp_rank: int, dp_size: int, start_sample: int = 0, device_type: str = "cpu") -> DataLoader:
     """An endless loader of this rank's (inputs, labels) micro-batches, int64 [micro_batch_size, seq_len] each,
-    from global sample index start_sample (the consumed-sample count when resuming), read by num_workers worker
-    processes (0: in this process)."""
+    from global sample index start_sample (the consumed-sample count when resuming)."""
     return _Loader(
         dataset,
         batch_sampler=StepSampler(micro_batch_size, grad_accum_steps, dp_rank, dp_size, start_sample),
         num_workers=num_workers,
         pin_memory=device_type == "cuda",
         worker_init_fn=_ignore_stop_signals,
-        # Its own generator for the workers' base seed: one drawn from the global generator would shift the
-        # training's random stream, which a resume restores exactly.
+        # its own: the workers' base seed drawn from the global generator would shift the training's random stream
         generator=torch.Generator(),
     )

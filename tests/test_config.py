@@ -266,7 +266,7 @@ def test_bad_flag_value_is_rejected_by_the_cli(capsys):
 
 
 @pytest.mark.parametrize("text,message", [
-    ('[parallel]\nparam_dtype = "bf16"\n', "parallel.param_dtype = 'bf16' is not one of 'auto', 'bfloat16'"),
+    ('[parallel]\nparam_dtype = "bf16"\n', "parallel.param_dtype = 'bf16': expected one of 'auto', 'bfloat16'"),
     ('[train]\nsteps = "10"\n', "train.steps = '10': expected int"),
     ('[train]\ndeterministic = 1\n', "train.deterministic = 1: expected bool"),
     ('[optim]\nbetas = [0.9]\n', "optim.betas = [0.9]: expected a list of 2 numbers"),

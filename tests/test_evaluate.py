@@ -93,7 +93,7 @@ def test_synthetic_held_out_samples_are_not_training_samples():
 
 @pytest.mark.parametrize("settings,message", [
     ({"eval": {"samples": 0}, "data": {"source": "synthetic"}}, "has no end"),
-    ({"data": {"eval_path": "/x"}}, "holds out its own data"),
+    ({"data": {"eval_path": "/x"}}, "data.eval_path=/x is set, but data.source=stdlib does not read it"),
     ({"eval": {"every": -1}}, "eval.every=-1"),
 ])
 def test_eval_settings_that_cannot_work_are_refused(settings, message):

@@ -17,8 +17,7 @@ from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from fsdp_trainer.data import (BYTE_EOS, BYTE_VOCAB_SIZE, UNFINISHED, fsync_folder, is_sidecar, shard_files,
-                               write_shard)
+from fsdp_trainer.data import BYTE_EOS, BYTE_VOCAB_SIZE, UNFINISHED, fsync_folder, shard_files, write_shard
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 EOS_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
@@ -148,9 +147,18 @@ def _documents(path: Path) -> Iterator[bytes]:
                 raise ValueError(f"{path}:{line_number}: not a line of UTF-8 JSON text ({err})") from None
 
 
+def _is_sidecar(path: Path) -> bool:
+    """Whether a .json file has every key of a sidecar (not a tokenizer.json or statistics kept beside shards)."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and {"dtype", "num_tokens", "vocab_size", "tokenizer"} <= meta.keys()
+
+
 def _holds_shards(root: Path) -> bool:
     """Whether load_shards would find a shard, or a shard's sidecar, in root."""
-    return bool(shard_files(root, ".bin")) or any(map(is_sidecar, shard_files(root, ".json")))
+    return bool(shard_files(root, ".bin")) or any(map(_is_sidecar, shard_files(root, ".json")))
 
 
 def _held_out(doc: bytes, fraction: float) -> bool:
