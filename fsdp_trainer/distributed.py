@@ -2,7 +2,6 @@
 `python -m`, where a one-rank group of its own lets FSDP2 and DCP run unchanged."""
 
 import datetime
-import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -17,14 +16,6 @@ logger = logging.getLogger("fsdp_trainer")
 # How far the groups' own timeout trails the watchdog's, so that the watchdog reports first: the group's timeout
 # ends a waiting rank without a word on the suspect.
 BACKSTOP_S = 60
-# Per torchrun restart: a restarted job must not read the reports or the alarm of the attempt before.
-ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-
-
-def spans(ranks: list[int]) -> str:
-    """Ascending ranks as runs, "0-3, 5, 7-8": a job of thousands of ranks fits a line."""
-    runs = [[r for _, r in run] for _, run in itertools.groupby(enumerate(ranks), lambda ir: ir[1] - ir[0])]
-    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 @dataclass(frozen=True)

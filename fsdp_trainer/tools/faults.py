@@ -26,6 +26,7 @@ summary, the job's last words, quotes it.
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import pickle
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_trainer.distributed import ATTEMPT, BACKSTOP_S, logger, spans
+from fsdp_trainer.distributed import BACKSTOP_S, logger
 
 EXIT_HANG = 3
 # The longest a watchdog waits between looks, and for a call to the c10d store: the time to report is a few of them.
@@ -53,6 +54,7 @@ POLL_S = 2.0
 # Polls after a rank's timeout at which its guard kills it: one to notice, two for the other ranks' reports, two to
 # spare (a store that does not answer, the GPU probe).
 GUARD_POLLS = 5
+# Per torchrun restart: a restarted job must not read the reports or the alarm of the attempt before.
 ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 REPORT = f"fsdp_trainer/stalled/{ATTEMPT}/{{}}"
 ALARM = f"fsdp_trainer/stalled/{ATTEMPT}/alarm"  # set by the first watchdog to time out: the others report at once
@@ -94,6 +96,12 @@ DUMP_PREFIX_VARIABLES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_
 # its own timeout, or on another rank's, and one dump would overwrite the other. Nor may the name hold NCCL's file
 # prefix (the trainer's rank_): torch's analyser, `torchfrtrace DIR --prefix P`, reads every file whose name holds P.
 WATCHDOG_DUMP = "watchdog_rank"
+
+
+def spans(ranks: list[int]) -> str:
+    """Ascending ranks as runs, "0-3, 5, 7-8": a job of thousands of ranks fits a line."""
+    runs = [[r for _, r in run] for _, run in itertools.groupby(enumerate(ranks), lambda ir: ir[1] - ir[0])]
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 def enable_flight_recorder(output_dir: Path) -> None:
