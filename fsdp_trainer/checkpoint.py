@@ -1,10 +1,9 @@
 """Checkpoints: sharded DCP saves, async, atomic commit, retention, resume on any world size, preemption. It knows
-no model class: it saves the model's and optimizer's state dicts, each rank's RNG states and the trainer's Progress.
-Resume: run the same command again. Preempt: SIGTERM or SIGUSR1 to any rank (not torchrun: see relay_signals.sh).
+no model class: it saves state dicts, each rank's RNG states and the trainer's Progress. Resume: run the same command
+again. Preempt: SIGTERM or SIGUSR1 to any rank (not torchrun: see relay_signals.sh).
 
-<checkpoint.dir>/step_00000200/ holds config.toml, DCP's shards (__<rank>_<n>.distcp) and .metadata, and last, once
-every rank's files are on disk, rank 0's trainer_state.json: it commits the checkpoint. A folder without it is an
-interrupted save: resume skips it, and retention or the next save of its step deletes it.
+<checkpoint.dir>/step_00000200/ holds config.toml, DCP's shards and .metadata, and, written last by rank 0 once every
+rank's files are on disk, trainer_state.json: it commits the checkpoint. A folder without it is an interrupted save.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import shutil
 import signal
 import threading
 import time
-import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +29,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
@@ -42,9 +39,6 @@ from fsdp_trainer.distributed import BACKSTOP_S, DistInfo, logger
 
 MARKER, CONFIG, FORMAT, MODEL_CLASS = "trainer_state.json", "config.toml", 1, "model_class"
 WEIGHTS_ONLY = "weights_only"  # the marker's flag of a model imported by tools.convert: no optimizer state yet
-# What resume and `list` read from the marker: a marker without one of them is no usable checkpoint.
-_REQUIRED = ("step", "consumed_samples", "tokens_seen", "world_size", "scheduler", "saved_at")
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 DCP_ERRORS = (Exception, CheckpointException)  # DCP's derives from BaseException: `except Exception` misses it
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -82,10 +76,11 @@ def model_class(model: nn.Module) -> type:
 
 
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Every step_* folder under root, oldest first, complete or not."""
+    """Every step_* folder under root, oldest first, complete or not; no link: retention would delete another run's."""
     if not Path(root).is_dir():
         return []
-    return sorted((int(m.group(1)), p) for p in Path(root).iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
+    return sorted((int(m.group(1)), p) for p in Path(root).iterdir()
+                  if (m := STEP_DIR.match(p.name)) and p.is_dir() and not p.is_symlink())
 
 
 def incomplete_reason(path: Path) -> Optional[str]:
@@ -99,22 +94,14 @@ def incomplete_reason(path: Path) -> Optional[str]:
     return f"has no {MARKER}: the save was interrupted before rank 0 committed it"
 
 
-def read_trainer_state(path: Path) -> dict:
-    return json.loads((Path(path) / MARKER).read_text())
-
-
 def read_marker(path: Path) -> tuple[Optional[dict], Optional[str]]:
     """(the trainer state, None) of the committed checkpoint `path`, or (None, why it cannot be used)."""
     try:
-        state = read_trainer_state(path)
+        state = json.loads((Path(path) / MARKER).read_text())
     except (OSError, ValueError) as err:
         return None, f"has an unreadable {MARKER} ({type(err).__name__}: {err})"
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         return None, f"has a {MARKER} that is not format {FORMAT} (written by another version of fsdp_trainer?)"
-    if missing := [key for key in _REQUIRED if key not in state]:
-        return None, f"has a {MARKER} without {', '.join(missing)} (edited, or written by another version?)"
-    if not (Path(path) / ".metadata").is_file():
-        return None, f"has a {MARKER} but no .metadata (deleted after the save?)"
     return state, None
 
 
@@ -134,32 +121,17 @@ def check_usable(path: Path) -> Checkpoint:
     return Checkpoint(Path(path), state)
 
 
-def find_latest(root: Path) -> tuple[Optional[Checkpoint], list[tuple[Path, str]]]:
-    """The newest committed checkpoint under root, or None, and the newer incomplete ones, with why."""
-    skipped = []
+def find_latest(root: Path) -> Optional[Checkpoint]:
+    """The newest committed checkpoint under root, or None; it logs the newer incomplete ones it skips."""
     for _, path in reversed(list_checkpoints(root)):
         if (reason := incomplete_reason(path)) is None:
-            return check_usable(path), skipped
-        skipped.append((path, reason))
-    return None, skipped
-
-
-def committed_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """The committed checkpoints under root, usable or not, oldest first: those no save may overwrite."""
-    return [(step, path) for step, path in list_checkpoints(root) if incomplete_reason(path) is None]
+            return check_usable(path)
+        logger.warning(f"skipping {path}: it {reason}")
+    return None
 
 
 def size_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
-
-
-def read_metadata(path: Path, fix: str) -> Metadata:
-    """DCP's index of the checkpoint `path`; a CheckpointError ending in `fix` if it cannot be read."""
-    try:
-        return dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as err:  # a truncated or foreign file fails in pickle, in torch or in the OS
-        raise CheckpointError(f"checkpoint {path}: its .metadata cannot be read ({type(err).__name__}: {err}); "
-                              f"{fix}") from None
 
 
 def dcp_cause(err: BaseException) -> str:
@@ -173,9 +145,7 @@ def dcp_cause(err: BaseException) -> str:
 def load_dcp(state: dict, path: Path, group: Optional[dist.ProcessGroup], fix: str) -> None:
     """Fill `state` in place from `path`, resharded by DCP, on every rank of `group` (None: in this process alone)."""
     try:
-        with warnings.catch_warnings():  # DCP warns that no_dist loads in one process: that is the point
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=group is None)
+        dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=group is None)
     except DCP_ERRORS as err:  # DCP gathers every rank's errors and raises them on all ranks
         raise CheckpointError(f"checkpoint {path} could not be read ({dcp_cause(err)}); {fix}") from err
 
@@ -206,10 +176,7 @@ class StopSignals:
         self.rank, self.received, self._previous = rank, None, {}
 
     def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():  # Python lets only the main thread
-            logger.warning("not running in the main thread: SIGTERM/SIGUSR1 will kill training without a checkpoint")
-            return
-        for sig in STOP_SIGNALS:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def restore(self) -> None:
@@ -223,16 +190,12 @@ class StopSignals:
             os.write(2, f"[rank{self.rank}] second stop signal ({name}): exiting now without a checkpoint\n".encode())
             os._exit(128 + signum)
         self.received = name
-        logger.warning(f"{name}: finishing the step, then saving a checkpoint and exiting (send it again to exit "
-                       "at once)")
+        logger.warning(f"{name}: finishing the step, then saving a checkpoint and exiting (again: exit at once)")
 
 
 class CheckpointWriter(dcp.FileSystemWriter):
-    """DCP's file writer with fsync (no marker on disk before its shards), failing a save in which a writer thread
+    """DCP's file writer (it fsyncs: no marker on disk before its shards), failing a save in which a writer thread
     failed: torch raises only its own thread's error, and would commit the checkpoint without the others' tensors."""
-
-    def __init__(self, path: str, thread_count: int):
-        super().__init__(path, thread_count=thread_count, sync_files=True)
 
     def write_data(self, plan, planner) -> torch.futures.Future:
         written = super().write_data(plan, planner)
@@ -247,7 +210,7 @@ class Storage:
     (tools/checksums.py records each file's CRC32 in the marker and checks them while a checkpoint loads)."""
 
     def writer(self, path: Path, thread_count: int) -> CheckpointWriter:
-        return CheckpointWriter(str(path), thread_count)
+        return CheckpointWriter(str(path), thread_count=thread_count)
 
     def commit(self, state: dict, writer: CheckpointWriter) -> dict:  # rank 0's marker, once every rank wrote
         return state
@@ -258,36 +221,18 @@ class Storage:
 
 @dataclass
 class _Save:
-    step: int
     path: Path
     future: Future
     writer: CheckpointWriter
     trainer_state: dict
     started: float
-    blocked: float
     finished: Optional[float] = None
 
 
-def _data_changes(a: dict, b: dict, a_when: str, b_when: str) -> str:
-    return "; ".join(f"{key} {a.get(key)} {a_when}, {b.get(key)} {b_when}"
-                     for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key))
-
-
 class Checkpointer:
-    """Save, resume and preemption for one run, as torchtitan's CheckpointManager. Every rank makes the same calls:
-
-        ckpt = Checkpointer(cfg, info, model, optimizer, scheduler, scaler, signals, data=dataset.identity())
-        progress = ckpt.restore()              # resume, or init_from weights, or fresh
-        with ckpt.training(watchdog.paused, before_save=guard.check):
-            while progress.step < steps:
-                train_step(...); progress.advance(global_batch, seq_len)
-                if ckpt.after_step(progress):  # saves when due; True once the ranks agreed to stop
-                    break
-            ckpt.finish(progress)              # the final save, waited for
-
-    `signals`: the process's installed StopSignals. `data`: the dataset's identity(), `model_settings` the model's
-    (None: a model of one's own): recorded, and compared on resume. `storage`: how files are written and read.
-    """
+    """Save, resume and preemption for one run, as torchtitan's CheckpointManager. Every rank calls restore(), then in
+    training() after_step() after each step (True once the ranks agreed to stop) and finish() for the last save.
+    `data` and `model_settings` (None: a model of one's own) are compared on resume; `storage` writes and reads."""
 
     def __init__(self, cfg: Config, info: DistInfo, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                  scaler=None, signals: Optional[StopSignals] = None, data: Optional[dict] = None,
@@ -295,15 +240,15 @@ class Checkpointer:
         self.cfg, self.info, self.data, self.model_settings = cfg, info, data, model_settings
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.root, self.mode, self.storage = checkpoint_root(cfg), cfg.checkpoint.async_mode, storage or Storage()
-        # Every rank creates both, in order: DCP's collectives (in a thread during async saves) and the votes never
-        # interleave, nor touch training's group. The start-up timeout: a rank may wait for the slowest one's write.
+        # Own groups: DCP's collectives (threaded in async saves) and the votes never interleave; a long timeout, as a
+        # rank may wait for the slowest one's write.
         timeout = datetime.timedelta(seconds=cfg.dist.init_timeout_s + BACKSTOP_S)
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self._vote_group, self._vote = dist.new_group(backend="gloo", timeout=timeout), None
         self.signals = signals or StopSignals(info.rank)
         self.before_save: Callable[[], int] = lambda: 0  # training() sets both
         self._paused: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-        # Ours, not one per save, so that its host copy of the state, allocated once, is reused by every save.
+        # One stager for the run, so that its host copy of the state is allocated once and reused by every save.
         pin = info.device.type == "cuda"
         self._stager = DefaultStager(StagingOptions(pin, False, False, pin)) if self.mode == "async_pinned" else None
         self.stopped, self._staged, self._pending, self._saved_step = False, False, None, -1
@@ -313,64 +258,43 @@ class Checkpointer:
 
     def restore(self, load_initial_weights: Callable[[], None] = lambda: None) -> Progress:
         """Resume, else load checkpoint.init_from's weights, else start fresh; exits 0 on a stop signal meanwhile."""
-        identities: list[Optional[dict]] = [None] * self.info.world_size
-        dist.all_gather_object(identities, self.data, group=self.group)
-        if odd := [rank for rank, identity in enumerate(identities) if identity != identities[0]]:
-            changes = _data_changes(identities[0], identities[odd[0]], "on rank 0", f"on rank {odd[0]}")
-            raise CheckpointError(f"rank(s) {', '.join(map(str, odd))} read other data than rank 0 ({changes}), so "
-                                  "the ranks follow no one sample order: give every node the same data and data.seed")
-        checkpoint, init_from = self._agree(self._choose_resume), self.cfg.checkpoint.init_from
-        if checkpoint is not None:
-            if init_from:
-                logger.info(f"checkpoint.init_from={init_from} ignored: resuming from {checkpoint.path}")
+        choice = [None]
+        if self.info.is_main:  # rank 0 chooses for all: nodes may list a shared folder differently
+            try:
+                choice[0] = self._choose_resume()
+            except CheckpointError as err:
+                choice[0] = err
+        dist.broadcast_object_list(choice, src=0, group=self.group)
+        if isinstance(checkpoint := choice[0], CheckpointError):
+            raise checkpoint
+        if checkpoint is not None:  # a rerun of an init_from run goes on from its own checkpoints
             progress = self._load(checkpoint)
         else:
             self._saved_step, progress = 0, Progress()  # nothing to save before the first step
-            if init_from:
+            if self.cfg.checkpoint.init_from:
                 load_initial_weights()
-                logger.info(f"initialized the model from {init_from}; fresh optimizer, step 0")
+                logger.info(f"initialized the model from {self.cfg.checkpoint.init_from}; fresh optimizer, step 0")
         self._cast(save=False)
         if self._tally()[0]:
-            logger.info(f"stopped during start-up, at step {progress.step}, on a stop signal; nothing new to save: "
-                        "run the same command to resume")
+            logger.info(f"stopped during start-up, at step {progress.step}, on a stop signal; nothing new to save")
             raise SystemExit(0)
         return progress
-
-    def _agree(self, decide: Callable[[], Any]) -> Any:
-        """decide() on rank 0, its answer or error for every rank: nodes may list a shared folder differently."""
-        box = [None]
-        if self.info.is_main:
-            try:
-                box[0] = (True, decide())
-            except CheckpointError as err:
-                box[0] = (False, str(err))
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        if not box[0][0]:
-            raise CheckpointError(box[0][1])
-        return box[0][1]
 
     def _choose_resume(self) -> Optional[Checkpoint]:
         """This run's folder's newest checkpoint, else the one checkpoint.resume names: a rerun goes on from its own."""
         resume = self.cfg.checkpoint.resume
         if resume == "none":
-            if committed := [p.name for _, p in committed_checkpoints(self.root)]:
-                raise CheckpointError(f"--checkpoint.resume none: {self.root} already holds checkpoints "
-                                      f"{', '.join(committed)} that this run would mix with its own; save to another "
-                                      "--checkpoint.dir, or move them away")
+            if committed := [p.name for _, p in list_checkpoints(self.root) if incomplete_reason(p) is None]:
+                raise CheckpointError(f"--checkpoint.resume none, but {self.root} holds {', '.join(committed)} that "
+                                      "this run would mix with its own: save to another --checkpoint.dir")
             return None
-        latest, skipped = find_latest(self.root)
-        for path, reason in skipped:
-            logger.warning(f"skipping {path}: it {reason}")
+        latest = find_latest(self.root)
         if latest is None and resume != "auto":
             if (reason := incomplete_reason(Path(resume).expanduser())) is not None:
                 raise CheckpointError(f"--checkpoint.resume {resume}: no complete checkpoint: it {reason}")
             return check_usable(Path(resume).expanduser())
         if latest is None:
             logger.info(f"no complete checkpoint in {self.root}: starting fresh")
-        elif resume != "auto" and Path(resume).expanduser().resolve() not in (latest.path.resolve(),
-                                                                             self.root.resolve()):
-            logger.warning(f"resuming {latest.path}, the newest checkpoint in {self.root}, not {resume} (to begin "
-                           f"again from {resume}, save to another --checkpoint.dir)")
         return latest
 
     def _load(self, checkpoint: Checkpoint) -> Progress:
@@ -379,45 +303,35 @@ class Checkpointer:
         progress = Progress(state["step"], state["consumed_samples"], state["tokens_seen"], state.get("skipped_steps", 0))
         self._saved_step = progress.step
         if progress.step >= self.cfg.train.steps:  # the run is over: reading a large model would take minutes
-            logger.info(f"{path} holds step {progress.step}")
             return progress
         start, fix = time.perf_counter(), f"if its files are damaged, {set_aside(path)}"
-        model_sd, optim_sd = self._state_dicts()
-        if state.get(WEIGHTS_ONLY):  # an imported model (tools.convert): its weights, a fresh optimizer
-            with self.storage.reading(checkpoint, self.group, fix):
-                load_dcp({"model": model_sd}, path, self.group, fix)
-            set_model_state_dict(self.model, model_sd)
+        resharded = state["world_size"] != self.info.world_size  # then no rank is a saved one: take rank 0's RNG
+        key = "rank0" if resharded else f"rank{self.info.rank}"
+        saved, weights_only = self._state(rng_key=key), state.get(WEIGHTS_ONLY)  # weights_only: a fresh optimizer
+        with self.storage.reading(checkpoint, self.group, fix):
+            load_dcp({"model": saved["model"]} if weights_only else saved, path, self.group,
+                     f"resume with the model it was saved with; {fix}")
+        if weights_only:
+            set_model_state_dict(self.model, saved["model"])
             logger.info(f"initialized the model from {path} (weights only): fresh optimizer, step 0")
             return progress
-        with self.storage.reading(checkpoint, self.group, fix):
-            metadata = read_metadata(path, fix).state_dict_metadata
-            # Its own RNG state on the saving world size; else saved rank 0's: ranks then correspond to none.
-            key = f"rank{self.info.rank}" if state["world_size"] == self.info.world_size else "rank0"
-            rng = {name.removeprefix(f"rng.{key}."): torch.empty(meta.size, dtype=meta.properties.dtype)
-                   for name, meta in metadata.items() if name.startswith(f"rng.{key}.")
-                   and (self.info.device.type == "cuda" or not name.endswith(".cuda"))}
-            load_dcp({"model": model_sd, "optim": optim_sd, "rng": {key: rng}}, path, self.group,
-                     f"resume with the model it was saved with; {fix}")
         # The optimizer's settings (weight decay, betas, eps) are this run's; the learning rate is the scheduler's.
         own = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in self.optimizer.param_groups]
-        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        set_state_dict(self.model, self.optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
         for group, settings in zip(self.optimizer.param_groups, own):
             group.update(settings)
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("grad_scaler"):
             self.scaler.load_state_dict(state["grad_scaler"])
-        set_rng_state(rng, self.info.device)
+        set_rng_state(saved["rng"][key], self.info.device)
         seconds, size = time.perf_counter() - start, size_bytes(path)
+        ranks = f"; saved on {state['world_size']} ranks, resuming on {self.info.world_size}" if resharded else ""
         logger.info(f"loaded {path}: {size / 1e9:.3f} GB in {seconds:.2f} s ({size / 1e9 / max(seconds, 1e-9):.2f}"
-                    f" GB/s); resuming from {path}: step {progress.step}, {progress.consumed_samples:,} samples")
-        if state["world_size"] != self.info.world_size:
-            logger.info(f"saved on {state['world_size']} ranks, resuming on {self.info.world_size}: DCP reshards model "
-                        "and optimizer; every rank restores the RNG state of saved rank 0")
+                    f" GB/s); resuming from {path}: step {progress.step}, {progress.consumed_samples:,} samples{ranks}")
         return progress
 
     def _check_run(self, path: Path, state: dict) -> None:
-        """Refuse another model (a setting no shape shows: heads, RoPE base, tying), or other samples than the saved
-        count points at (other data, windows of another train.seq_len)."""
+        """Refuse another model (settings no shape shows: heads, RoPE, tying), other data or another train.seq_len."""
         saved, here = state.get("model") or {}, self.model_settings or {}
         if changed := [key for key in saved if key in here and saved[key] != here[key]]:
             then, now = (", ".join(f"model.{k} {values[k]}" for k in changed) for values in (saved, here))
@@ -429,7 +343,8 @@ class Checkpointer:
                                   f"from its weights: --checkpoint.init_from {path} --train.output_dir <new folder>")
         if None in (saved := state.get("data"), self.data) or saved == self.data:
             return
-        changes = _data_changes(saved, self.data, "then", "now")
+        changes = "; ".join(f"{key} {saved.get(key)} then, {self.data.get(key)} now"
+                            for key in sorted(set(saved) | set(self.data)) if saved.get(key) != self.data.get(key))
         if not self.cfg.checkpoint.allow_data_change:
             raise CheckpointError(f"checkpoint {path} was saved reading other data ({changes}); resume with that data, "
                                   "or pass --checkpoint.allow_data_change to go on with this data at the saved count")
@@ -444,13 +359,9 @@ class Checkpointer:
         try:
             yield
         except BaseException:
-            if self._pending is not None:
-                step = self._pending.step
-                try:
-                    with self._paused():
-                        self._wait()
-                except BaseException as err:  # the failure that brought us here may have taken the save down too
-                    logger.warning(f"the save of step {step} did not complete: {err}")
+            if self._pending is not None:  # the failure that brought us here may have taken the save down too
+                with self._paused(), contextlib.suppress(BaseException):
+                    self._wait()
             raise
         finally:
             if self._stager is not None and self._pending is None:
@@ -460,11 +371,11 @@ class Checkpointer:
         """After every step, on every rank: saves when due, and returns True once the ranks agreed to stop."""
         if self._pending is not None and self._pending.future.done():
             with self._paused():
-                self._commit()
+                self._wait()
         c = self.cfg.checkpoint
         if self._stager is not None and not self._staged and (c.interval or c.interval_minutes or c.save_final):
-            # The state's shapes are final once AdamW has stepped: its host copy is allocated now, not in the first
-            # save, which may be a preemption's, with a grace period to keep.
+            # AdamW's state has its shapes now: allocate the host copy before the first save, which may be a
+            # preemption's, with a grace period to keep.
             with self._paused():
                 start, self._staged = time.perf_counter(), self._stager.stage(self._state()) is not None
                 logger.info(f"checkpoint staging: host memory allocated in {time.perf_counter() - start:.1f} s")
@@ -502,8 +413,7 @@ class Checkpointer:
                 for thread, _ in self._deletions:
                     thread.join()
         if self.stopped:
-            logger.info(f"stopped at step {progress.step} on a stop signal; the checkpoint is complete: run the "
-                        "same command to resume")
+            logger.info(f"stopped at step {progress.step} on a stop signal; checkpoint complete: rerun to resume")
 
     def save(self, progress: Progress) -> None:
         """Save this step; training waits for the write (async_mode none) or the copy to host memory only."""
@@ -515,28 +425,24 @@ class Checkpointer:
             self._make_room(path)
             writer = self.storage.writer(path, self.cfg.checkpoint.write_threads)
             future = self._write(writer)
-            save = _Save(progress.step, path, future, writer, self._trainer_state(progress), begun,
-                         time.perf_counter() - start)
+            save = _Save(path, future, writer, self._trainer_state(progress), begun)
             future.add_done_callback(lambda _: setattr(save, "finished", time.perf_counter()))
             self._pending, self._saved_step, self._last_save = save, progress.step, time.monotonic()
             if self.mode == "none":
                 self._wait()  # commits it, or raises its error before it could be logged as taken
             waiting = f" (of which {waited:.2f} s waiting for the previous save)" if waited > 0.01 else ""
-            logger.info(f"checkpoint step {progress.step} ({self.mode}): training blocked {save.blocked:.2f} s"
-                        f"{waiting}")
+            logger.info(f"checkpoint step {progress.step} ({self.mode}): training blocked "
+                        f"{time.perf_counter() - start:.2f} s{waiting}")
 
-    def _state(self) -> dict:
-        model_sd, optim_sd = self._state_dicts()
-        return {"model": model_sd, "optim": optim_sd, "rng": {f"rank{self.info.rank}": rng_state(self.info.device)}}
-
-    def _state_dicts(self) -> tuple[dict, dict]:
-        """get_state_dict's. On an optimizer that has not stepped, it creates the state by an AdamW step at lr 0, which
-        counts: bias correction would run a step ahead for good. The count goes back to 0."""
+    def _state(self, rng_key: Optional[str] = None) -> dict:
+        """get_state_dict's and this rank's RNG states (under `rng_key`). An optimizer that has not stepped gets its
+        state by an AdamW step at lr 0, whose count goes back to 0: bias correction would run a step ahead for good."""
         unstepped = not self.optimizer.state
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         for state in self.optimizer.state.values() if unstepped else ():
             state["step"].zero_()  # in place: optim_sd holds these same tensors
-        return model_sd, optim_sd
+        rng = {rng_key or f"rank{self.info.rank}": rng_state(self.info.device)}
+        return {"model": model_sd, "optim": optim_sd, "rng": rng}
 
     def _write(self, writer: dcp.FileSystemWriter) -> Future:
         """Hand this rank's shards to DCP; the future completes once every rank's are on storage."""
@@ -546,22 +452,21 @@ class Checkpointer:
         try:
             dcp.save(state, storage_writer=writer, process_group=self.group)
             done.set_result(None)
-        except DCP_ERRORS as err:  # _commit raises it, as it does an async save's
+        except DCP_ERRORS as err:  # _wait raises it, as it does an async save's
             done.set_exception(err)
         return done
 
     def _make_room(self, path: Path) -> None:
         """Clear what an interrupted save of this step left; never a committed checkpoint."""
         if self.info.is_main:
-            if path.exists() and incomplete_reason(path) is None:
+            if (reason := incomplete_reason(path)) is None:
                 raise CheckpointError(f"{path} is a committed checkpoint already; is another run saving into "
                                       f"{self.root}? Move it away, or save to another --checkpoint.dir")
             if path.exists():
-                logger.info(f"clearing {path} before saving there: it {incomplete_reason(path)}")
-                _remove(path)
+                logger.info(f"clearing {path} before saving there: it {reason}")
+                shutil.rmtree(path)
             path.mkdir(parents=True)
-            # The folder's name on disk before its marker (retention then deletes older ones), and config.toml whole
-            # on disk before DCP's shards and so before the marker.
+            # The folder's name, then config.toml, durably on disk before DCP's shards and so before the marker.
             fsync_folder(self.root)
             write_atomic(path / CONFIG, lambda f: f.write(to_toml(self.cfg).encode()))
         dist.barrier(group=self.group)  # nobody writes into the folder while rank 0 may still be clearing it
@@ -577,43 +482,36 @@ class Checkpointer:
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__}
 
     def _wait(self) -> float:
-        """Wait for the save in flight, if any, and commit it; returns the seconds waited."""
+        """Wait for the save in flight, if any, and commit it here, where an error stops training; seconds waited."""
         if self._pending is None:
             return 0.0
-        start = time.perf_counter()
-        self._pending.future.exception()  # waits; _commit raises what it holds
-        waited = time.perf_counter() - start
-        self._commit()
-        return waited
-
-    def _commit(self) -> None:
-        """Rank 0 commits a finished save and applies retention, in the training thread: an error stops training."""
-        save, self._pending = self._pending, None
+        save, self._pending, start = self._pending, None, time.perf_counter()
         try:
             save.future.result()
         except DCP_ERRORS as err:
             raise RuntimeError(f"saving checkpoint {save.path} failed: {dcp_cause(err)}") from err
-        if not self.info.is_main:
-            return
-        write_marker(save.path, self.storage.commit(save.trainer_state, save.writer))
-        size, seconds = size_bytes(save.path), (save.finished or time.perf_counter()) - save.started
-        logger.info(f"checkpoint {save.path} complete: {size / 1e9:.3f} GB in {seconds:.2f} s "
-                    f"({size / 1e9 / max(seconds, 1e-9):.2f} GB/s; training blocked {save.blocked:.2f} s)")
-        self._retain()
+        waited = time.perf_counter() - start
+        if self.info.is_main:
+            write_marker(save.path, self.storage.commit(save.trainer_state, save.writer))
+            size, seconds = size_bytes(save.path), (save.finished or time.perf_counter()) - save.started
+            logger.info(f"checkpoint {save.path} complete: {size / 1e9:.3f} GB in {seconds:.2f} s "
+                        f"({size / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
+            self._retain()
+        return waited
 
     def _retain(self) -> None:
         """Delete complete checkpoints beyond checkpoint.keep and incomplete ones before the newest, in a thread: other
         ranks' watchdogs would take a rank 0 waiting for slow storage for a hung one. Unusable ones stay, uncounted."""
         self._deletions = [(thread, paths) for thread, paths in self._deletions if thread.is_alive()]
         deleting = set().union(*(paths for _, paths in self._deletions))  # markerless now: they look incomplete
+        found = list_checkpoints(self.root)
+        complete = [(step, path) for step, path in found if read_marker(path)[0]]
         # A newer incomplete folder is left to the save of its step, which clears it first.
-        complete = [(step, path) for step, path in committed_checkpoints(self.root) if read_marker(path)[0]]
-        old = [(path, "incomplete, older than the newest complete checkpoint") for step, path in list_checkpoints(
-            self.root) if step < complete[-1][0] and path not in deleting and incomplete_reason(path)]
+        old = [(path, "incomplete, older than the newest complete checkpoint") for step, path in found
+               if step < complete[-1][0] and path not in deleting and incomplete_reason(path)]
         keep = self.cfg.checkpoint.keep
         for _, path in complete[:-keep]:  # the marker first: a crash then leaves incomplete folders, not damaged ones
-            if not path.is_symlink():  # a link's marker is another folder's
-                (path / MARKER).unlink()
+            (path / MARKER).unlink()
             old.append((path, f"checkpoint.keep={keep}"))
         if old:  # a daemon: a stopped run's exit does not wait for it
             thread = threading.Thread(target=_delete, args=(old,), name="checkpoint-retention", daemon=True)
@@ -621,18 +519,10 @@ class Checkpointer:
             self._deletions.append((thread, {path for path, _ in old}))
 
 
-def _remove(path: Path) -> None:
-    """Delete a checkpoint folder; of a link to one, only the link: what it points to may be another run's."""
-    if path.is_symlink():
-        path.unlink()
-    else:
-        shutil.rmtree(path)
-
-
 def _delete(paths: list[tuple[Path, str]]) -> None:
     for path, why in paths:
         try:
-            _remove(path)
+            shutil.rmtree(path)
         except OSError as err:  # what is left has no marker: the next retention deletes it as incomplete
             logger.warning(f"could not delete {path} ({why}): {err}")
         else:

@@ -88,7 +88,7 @@ def assert_rows_equal(got: dict[int, dict], want: dict[int, dict], steps, rel: f
 
 
 def complete_steps(root: Path) -> list[int]:
-    return [step for step, path in ck.committed_checkpoints(root) if ck.read_marker(path)[0]]
+    return [step for step, path in ck.list_checkpoints(root) if ck.read_marker(path)[0]]
 
 
 def all_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -104,7 +104,7 @@ def all_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def drop_checksums(step: Path) -> None:
     """Make `step` a checkpoint saved with checkpoint.checksums off: DCP's own checks are all there is."""
-    state = ck.read_trainer_state(step)
+    state = ck.read_marker(step)[0]
     del state[cs.CHECKSUMS], state[cs.MARKER_SUM]
     (step / ck.MARKER).write_text(json.dumps(state))
 
@@ -218,7 +218,7 @@ def test_resume_on_other_world_sizes_and_meshes(reference, tmp_path):
                    "--checkpoint.resume", str(reference / "checkpoints/step_00000004"))
     assert "saved on 2 ranks, resuming on 4" in log
     assert_rows_equal(rows(hsdp), rows(reference), range(5, STEPS + 1), rel=1e-5)
-    assert ck.read_trainer_state(hsdp / "checkpoints/step_00000006")["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
+    assert ck.read_marker(hsdp / "checkpoints/step_00000006")[0]["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
 
     back = tmp_path / "back"
     log = torchrun(2, back, "--train.steps", str(STEPS), "--train.micro_batch_size", "1",
@@ -310,7 +310,7 @@ def small(tmp_path_factory) -> Path:
 def test_a_checkpoint_counts_the_tokens_of_the_samples_it_consumed(small):
     """tokens_seen, which a resume reports, is the samples consumed x train.seq_len: 2 samples of 32 tokens a step."""
     for step in (2, 4):
-        state = ck.read_trainer_state(ck.step_dir(small / "checkpoints", step))
+        state = ck.read_marker(ck.step_dir(small / "checkpoints", step))[0]
         assert (state["consumed_samples"], state["tokens_seen"]) == (2 * step, 2 * step * 32), step
 
 
@@ -354,7 +354,7 @@ def test_async_and_sync_saves_hold_the_same_tensors(small, tmp_path):
                          "--train.output_dir", str(out))
         for step in (2, 4):
             path = ck.step_dir(out / "checkpoints", step)
-            assert set(ck.read_trainer_state(path)[cs.CHECKSUMS]) == summed_files(path)
+            assert set(ck.read_marker(path)[0][cs.CHECKSUMS]) == summed_files(path)
             with cs.checked(ck.check_usable(path), None, "", threads=1) as report:
                 pass
             assert report and "match their checksums" in report[0]
@@ -717,9 +717,7 @@ def test_resume_refuses_missing_partial_and_corrupt_checkpoints(small, tmp_path,
     shutil.copytree(root / "step_00000004", root / "step_00000008")
     (root / "step_00000008" / ".metadata").unlink()
     (root / "step_00000008" / ck.MARKER).unlink()
-    latest, skipped = ck.find_latest(root)
-    assert latest.path == root / "step_00000004" == weights.resolve(root, "--checkpoint.init_from").path
-    assert [p.name for p, _ in skipped] == ["step_00000008", "step_00000006"]
+    assert ck.find_latest(root).path == root / "step_00000004" == weights.resolve(root, "--checkpoint.init_from").path
 
     truncated = root / "step_00000004" / "__0_0.distcp"
     truncated.write_bytes(truncated.read_bytes()[:1000])
@@ -734,7 +732,7 @@ def test_resume_refuses_missing_partial_and_corrupt_checkpoints(small, tmp_path,
     index.write_bytes(index.read_bytes().replace(b"K@", b"KA", 1))  # pickle's 1-byte int 64 -> 65
     assert dcp.FileSystemReader(str(index.parent)).read_metadata()
     cases["truncated"] = (root / "step_00000004", "is corrupt: __0_0.distcp holds 1,000 bytes where the save wrote")
-    cases["bad_metadata"] = (root / "step_00000010", "its .metadata cannot be read")
+    cases["bad_metadata"] = (root / "step_00000010", "global metadata read failed: invalid load key")
     cases["metadata_that_unpickles"] = (root / "step_00000014", "is corrupt: .metadata differs from what the save "
                                         "wrote")
     cases["truncated_without_checksums"] = (root / "step_00000012", "could not be read (rank 0: EOFError)")
@@ -792,22 +790,16 @@ def test_init_from_a_corrupt_checkpoint_or_hf_folder_names_the_file(small, tmp_p
 
 
 @pytest.mark.slow
-def test_a_marker_without_the_resume_fields_is_unusable_and_list_says_so(small, tmp_path, capsys):
+def test_list_takes_markers_without_skipped_steps_and_names_the_folder_to_list(small, tmp_path, capsys):
     root = tmp_path / "checkpoints"
     shutil.copytree(small / "checkpoints", root)
     # Older checkpoints lack skipped_steps; a marker edited on purpose drops its own sum
-    for step, keys in ((2, ["skipped_steps", cs.MARKER_SUM]), (4, ["consumed_samples"])):
-        state = ck.read_trainer_state(ck.step_dir(root, step))
-        for key in keys:
-            del state[key]
-        (ck.step_dir(root, step) / ck.MARKER).write_text(json.dumps(state))
-    with pytest.raises(ck.CheckpointError, match=f"step_00000004 cannot be used: it has a {ck.MARKER} without"):
-        ck.find_latest(root)
+    state = ck.read_marker(ck.step_dir(root, 2))[0]
+    for key in ("skipped_steps", cs.MARKER_SUM):
+        del state[key]
+    (ck.step_dir(root, 2) / ck.MARKER).write_text(json.dumps(state))
     ckpt_cli.main(["list", str(root)])
-    out = capsys.readouterr().out
-    assert "step_00000002  complete" in out
-    assert (f"step_00000004  UNUSABLE: it has a {ck.MARKER} without consumed_samples (edited, or written by "
-            "another version?)") in out
+    assert "step_00000002  complete" in capsys.readouterr().out
 
     ckpt_cli.main(["list", str(tmp_path)])  # the output folder, not its checkpoints folder
     assert f"{tmp_path}: no checkpoints (no step_* folders); did you mean its checkpoints folder, {root}?" in \
@@ -865,10 +857,10 @@ def test_training_never_waits_for_retention_to_finish_deleting(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_links_to_folders_elsewhere_are_deleted_never_what_they_link_to(small, tmp_path):
-    """A step_* link to another run's checkpoint (to resume from it) and one to an interrupted save elsewhere: the save
-    of step 3 clears its link and writes a folder of its own, retention deletes the link to step 2, and the folders
-    they link to keep every file: their markers and files are the other run's."""
+def test_links_are_no_checkpoints_and_what_they_link_to_is_never_deleted(small, tmp_path):
+    """step_* links to another run's checkpoint and to an interrupted save elsewhere: resume, retention and the count
+    of checkpoint.keep pass them by (--checkpoint.resume names a checkpoint elsewhere), so the folders they link to
+    keep every file: their markers and files are the other run's."""
     other, root = tmp_path / "other", tmp_path / "run" / "checkpoints"
     shutil.copytree(small / "checkpoints/step_00000002", other / "step_00000002")
     (other / "step_00000003").mkdir()
@@ -876,11 +868,12 @@ def test_links_to_folders_elsewhere_are_deleted_never_what_they_link_to(small, t
     before = tree(other)
     root.mkdir(parents=True)
     for step in (2, 3):
-        ck.step_dir(root, step).symlink_to(ck.step_dir(other, step))
+        ck.step_dir(root, 10 + step).symlink_to(ck.step_dir(other, step))
     train_in_process("--train.steps", "4", "--checkpoint.interval", "1", "--checkpoint.keep", "1",
                      "--checkpoint.async_mode", "none", "--train.output_dir", str(tmp_path / "run"))
     assert tree(other) == before and complete_steps(other) == [2]
-    assert [p.name for p in root.iterdir()] == ["step_00000004"] and complete_steps(root) == [4]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000012", "step_00000013"]
+    assert complete_steps(root) == [4]
 
 
 @pytest.mark.slow
@@ -893,34 +886,8 @@ def test_a_folder_with_checkpoints_resumes_its_newest_and_never_starts_fresh_int
     assert "step_00000002, step_00000004 that this run would mix with its own" in capsys.readouterr().err
     main([*TINY, "--train.output_dir", str(small), "--train.steps", "4", "--checkpoint.resume",
           str(small / "checkpoints/step_00000002")])
-    assert (f"resuming {small / 'checkpoints/step_00000004'}, the newest checkpoint in {small / 'checkpoints'}, not "
-            f"{small / 'checkpoints/step_00000002'}") in capsys.readouterr().err
+    assert "step 4 of train.steps=4 is done already" in capsys.readouterr().err  # it took step 4, not step 2
     assert tree(small) == before
-
-
-def restore_with_seed_by_rank(out: str, seeds: list[int]) -> str:
-    info = distributed.init(60)
-    cfg = parse_args([*TINY, "--train.output_dir", out])
-    model, _ = build_model(cfg, distributed.build_mesh("cpu", 1, info.world_size), info.device)
-    optimizer = build_optimizer(model, cfg.optim)
-    data = {"kind": "synthetic tokens", "vocab_size": 320, "seed": seeds[info.rank]}
-    ckpt = ck.Checkpointer(cfg, info, model, optimizer, build_scheduler(optimizer, cfg.optim, 4), data=data)
-    try:
-        ckpt.restore()
-    except ck.CheckpointError as err:
-        return str(err)
-    return "restored"
-
-
-@pytest.mark.slow
-def test_ranks_reading_other_data_than_rank_0_stop_every_rank(tmp_path):
-    """A node-local copy of the data that differs: every rank stops with the same error, naming the rank and the
-    difference, instead of rank 0 going on alone (and later blaming the checkpoint for the broken group)."""
-    messages = run_ranks(restore_with_seed_by_rank, 3, str(tmp_path), [0, 1, 1])
-    assert messages[0].startswith("rank(s) 1, 2 read other data than rank 0 (seed 0 on rank 0, 1 on rank 1)"), \
-        messages[0]
-    assert messages == [messages[0]] * 3
-    assert run_ranks(restore_with_seed_by_rank, 2, str(tmp_path), [4, 4]) == ["restored"] * 2
 
 
 @pytest.mark.slow
@@ -959,7 +926,7 @@ def test_resume_refuses_other_data_unless_allowed(small, tmp_path, capfd):
     assert tree(out / "checkpoints") == before
     main([*flags, "--checkpoint.allow_data_change"])
     assert "on other data (seed 0 then, 1 now)" in capfd.readouterr().err
-    assert ck.read_trainer_state(ck.step_dir(out / "checkpoints", 6))["data"]["seed"] == 1
+    assert ck.read_marker(ck.step_dir(out / "checkpoints", 6))[0]["data"]["seed"] == 1
 
 
 def test_a_checkpoint_of_the_same_data_in_another_sample_order_names_the_change(tmp_path):
@@ -981,7 +948,7 @@ def test_an_unusable_marker_is_an_error_and_never_deleted(small, tmp_path, capfd
     out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
     shutil.copytree(small / "checkpoints", root)
     step2, step4 = root / "step_00000002", root / "step_00000004"
-    state = ck.read_trainer_state(step4)
+    state = ck.read_marker(step4)[0]
     (step4 / ck.MARKER).write_text(json.dumps({**state, "format": 2}))
     flags = [*TINY, "--train.steps", "6", "--checkpoint.interval", "2", "--checkpoint.async_mode", "none",
              "--train.output_dir", str(out)]
@@ -1038,7 +1005,7 @@ def test_a_flipped_bit_in_a_shard_stops_resume_on_every_rank(reference, tmp_path
     root = tmp_path / "checkpoints"
     shutil.copytree(reference / "checkpoints", root)
     step10 = root / "step_00000010"
-    sums = ck.read_trainer_state(step10)[cs.CHECKSUMS]
+    sums = ck.read_marker(step10)[0][cs.CHECKSUMS]
     assert set(sums) == summed_files(step10)
     assert {name[:3] for name in sums if name.endswith(".distcp")} == {"__0", "__1"}
     damaged = sorted(name for name in sums if name.startswith("__1_"))[-1]  # rank 1 wrote it, and checks it
@@ -1104,7 +1071,7 @@ def test_a_failed_extra_writer_thread_fails_the_save_in_one_line_and_is_never_co
     assert ck.incomplete_reason(failing) is not None
     after = tree(out / "checkpoints")
     assert {name: stat for name, stat in after.items() if not name.startswith(failing.name)} == before
-    latest, _ = ck.find_latest(out / "checkpoints")
+    latest = ck.find_latest(out / "checkpoints")
     assert latest.path == ck.step_dir(out / "checkpoints", 4)
     with cs.checked(latest, None, "the fix", threads=2):
         all_tensors(latest.path)
@@ -1313,7 +1280,7 @@ def test_an_own_model_s_checkpoint_names_its_class_and_no_llama_preset(tmp_path)
     run_ranks(train_dropout_gpt2, 1, cfg)
     path = ck.step_dir(tmp_path / "checkpoints", 2)
     own = f"{DropoutGPT2.__module__}.DropoutGPT2"
-    assert ck.read_trainer_state(path)[ck.MODEL_CLASS] == own
+    assert ck.read_marker(path)[0][ck.MODEL_CLASS] == own
 
     with pytest.raises(ck.CheckpointError) as refused:
         weights.export(path, tmp_path / "export")

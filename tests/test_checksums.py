@@ -181,12 +181,12 @@ def test_a_checkpoint_saved_without_checksums_resumes_and_says_so(tmp_path, capf
     out = tmp_path / "run"
     train_in_process("--train.steps", "2", "--checkpoint.async_mode", "none", "--checkpoint.no_checksums",
                      "--train.output_dir", str(out))
-    assert cs.CHECKSUMS not in ck.read_trainer_state(out / "checkpoints/step_00000002")
+    assert cs.CHECKSUMS not in ck.read_marker(out / "checkpoints/step_00000002")[0]
     capfd.readouterr()
     train_in_process("--train.steps", "3", "--checkpoint.async_mode", "none", "--train.output_dir", str(out))
     err = capfd.readouterr().err
     assert f"step_00000002: {cs.NO_CHECKSUMS}" in err and "resuming from" in err
-    assert set(ck.read_trainer_state(out / "checkpoints/step_00000003")[cs.CHECKSUMS]) == \
+    assert set(ck.read_marker(out / "checkpoints/step_00000003")[0][cs.CHECKSUMS]) == \
         summed_files(out / "checkpoints/step_00000003")
 
 
@@ -200,9 +200,9 @@ def test_a_resume_reads_each_marker_and_sums_each_file_once(small, tmp_path, mon
     if not named:
         shutil.copytree(small / "checkpoints", out / "checkpoints")
     markers, sums = Counter(), Counter()
-    read_marker, file_sum, restore = ck.read_trainer_state, cs._file_sum, ck.Checkpointer.restore
+    read_marker, file_sum, restore = ck.read_marker, cs._file_sum, ck.Checkpointer.restore
 
-    def counted_read(path: Path) -> dict:
+    def counted_read(path: Path) -> tuple:
         markers[Path(path).name] += 1
         return read_marker(path)
 
@@ -212,7 +212,7 @@ def test_a_resume_reads_each_marker_and_sums_each_file_once(small, tmp_path, mon
 
     def counted_restore(checkpointer, *args) -> ck.Progress:  # the resume alone: the save after it reads markers too
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(ck, "read_trainer_state", counted_read)
+            patch.setattr(ck, "read_marker", counted_read)
             patch.setattr(cs, "_file_sum", counted_sum)
             return restore(checkpointer, *args)
 

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from fsdp_trainer.checkpoint import (STEP_DIR, CheckpointError, incomplete_reason, list_checkpoints, read_marker,
-                                     read_metadata, set_aside, size_bytes)
+                                     set_aside, size_bytes)
 from fsdp_trainer.config import ConfigError
 from fsdp_trainer.distributed import cores_per_rank
 from fsdp_trainer.tools.checksums import NO_CHECKSUMS, checked, marker_problem
-from fsdp_trainer.tools.weights import resolve
+from fsdp_trainer.tools.weights import read_metadata, resolve
 
 
 def _list(root: str) -> None:

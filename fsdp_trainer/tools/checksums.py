@@ -69,7 +69,7 @@ class SummingWriter(CheckpointWriter):
     """The checkpoint writer, summing every file it writes; on rank 0, `sums` holds every rank's once DCP finished."""
 
     def __init__(self, path: str, thread_count: int):
-        super().__init__(path, thread_count)
+        super().__init__(path, thread_count=thread_count)
         self.fs, self.sums = _SummingFileSystem(), {}
 
     def write_data(self, plan, planner) -> torch.futures.Future:

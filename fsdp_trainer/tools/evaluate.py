@@ -36,7 +36,7 @@ def weights_of(cfg: Config) -> tuple[Optional[str], Optional[int]]:
     """The weights to evaluate, as load_weights takes them (None: the initialized ones), and their step."""
     resume = cfg.checkpoint.resume
     if resume != "none":
-        checkpoint = (find_latest(checkpoint_root(cfg))[0] if resume == "auto"
+        checkpoint = (find_latest(checkpoint_root(cfg)) if resume == "auto"
                       else resolve(resume, "--checkpoint.resume"))
         if checkpoint is not None:
             return str(checkpoint.path), checkpoint.state["step"]

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_trainer.checkpoint import (CONFIG, FORMAT, MARKER, MODEL_CLASS, STEP_DIR, WEIGHTS_ONLY, Checkpoint,
                                      CheckpointError, check_usable, find_latest, incomplete_reason, list_checkpoints,
-                                     load_dcp, model_class, read_metadata, read_trainer_state, step_dir, write_marker)
+                                     load_dcp, model_class, read_marker, step_dir, write_marker)
 from fsdp_trainer.config import Config, ConfigError, ModelConfig, from_dict, model_flag, to_toml
 from fsdp_trainer.data import write_atomic
 from fsdp_trainer.distributed import cores_per_rank
@@ -79,11 +79,27 @@ def resolve(path: str | Path, flag: str) -> Checkpoint:
         if (reason := incomplete_reason(path)) is not None:
             raise CheckpointError(f"{flag} {path}: not a complete checkpoint: it {reason}; give a complete one")
         return check_usable(path)
-    latest, _ = find_latest(path)
+    latest = find_latest(path)
     if latest is None:
         raise CheckpointError(f"{flag} {path}: holds no complete checkpoint (a step_* folder with {MARKER})"
                               f"{_export_hint(path)}")
     return latest
+
+
+def read_metadata(path: Path, fix: str) -> Metadata:
+    """DCP's index of the checkpoint `path`; a CheckpointError ending in `fix` if it cannot be read."""
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # a truncated or foreign file fails in pickle, in torch or in the OS
+        raise CheckpointError(f"checkpoint {path}: its .metadata cannot be read ({type(err).__name__}: {err}); "
+                              f"{fix}") from None
+
+
+def _load_dcp(state: dict, path: Path, group: Optional[dist.ProcessGroup], fix: str) -> None:
+    """load_dcp, where DCP's warning that no group (None) means a load in one process is left out: that is the point."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        load_dcp(state, path, group, fix)
 
 
 def own_model_class(state: dict) -> Optional[str]:
@@ -107,11 +123,7 @@ def tensor_shapes(state: dict, prefix: str = "") -> dict[str, tuple[int, ...]]:
 
 def _saved_model_settings(path: Path) -> str:
     """What the checkpoint at `path` records of its model, as a sentence: its --model.* settings, or its own class."""
-    try:
-        own = own_model_class(read_trainer_state(path))
-    except (OSError, ValueError):
-        own = None
-    if own:
+    if own := own_model_class(read_marker(path)[0] or {}):
         return f" It holds a model of your own, {own}."
     try:
         model = tomllib.loads((Path(path) / CONFIG).read_text()).get("model", {})
@@ -453,7 +465,7 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
         if then:
             raise CheckpointError(f"checkpoint {path} was saved with {then}, but this model has {now}, and its "
                                   f"weights would compute another function: set {flags}")
-        load_dcp({"model": model_sd}, path, group, fix)
+        _load_dcp({"model": model_sd}, path, group, fix)
     set_model_state_dict(model, model_sd)
 
 
@@ -526,7 +538,7 @@ def export(path: str | Path, out_dir: str | Path, dtype: Optional[torch.dtype] =
 
     def read(*names: str) -> list[torch.Tensor]:
         state = {name: torch.empty(saved[name].size, dtype=saved[name].properties.dtype) for name in names}
-        load_dcp({"model": state}, path, None, fix)
+        _load_dcp({"model": state}, path, None, fix)
         return list(state.values())
 
     names = {theirs: ours for ours, theirs in hf_names(args.n_layers).items()
