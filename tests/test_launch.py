@@ -291,6 +291,12 @@ def test_readme_flags_and_paths_exist():
     assert [p for p in sorted(paths) if not (REPO / p).exists()] == []
 
 
+def test_the_docs_keep_to_their_size():
+    """A newcomer reads README.md in one sitting; benchmarks/README.md holds current tables, not their history."""
+    assert len(README.encode()) <= 15 * 1024
+    assert len((REPO / "benchmarks/README.md").read_bytes()) <= 20 * 1024
+
+
 def test_readme_runs_modules_that_exist():
     """Every module the README runs (`python -m` or `torchrun ... -m`) is one of the package's."""
     import importlib.util
