@@ -119,6 +119,17 @@ def test_deterministic_mode_reproduces_losses_exactly(info, tmp_path):
     assert [r["loss"] for r in first] == [r["loss"] for r in second]
 
 
+def test_a_resumed_run_continues_exactly(info, tmp_path):
+    """Saved at step 3 from the GPU (async_pinned), resumed elsewhere: the sharded state and the GPU's RNG come back,
+    and steps 4-6 log the uninterrupted run's losses."""
+    settings = {"train": {"steps": 6, "deterministic": True}}
+    whole = _run(info, tmp_path / "whole", **settings, checkpoint={"interval": 3})["history"]
+    resumed = _run(info, tmp_path / "resumed", **settings,
+                   checkpoint={"resume": str(tmp_path / "whole/checkpoints/step_00000003")})["history"]
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[3:]]
+
+
 def _train_cli(tmp_path, *flags):
     import subprocess
     import sys

@@ -471,16 +471,17 @@ def load_weights(model: nn.Module, source: str, args: ModelArgs, group: Optional
 
 def load_model(source: str, device: torch.device | str = "cpu") -> Transformer:
     """The Llama of a checkpoint (with its config.toml's settings) or of hf:<folder> (its config.json's), on
-    `device` in float32, for inference."""
+    `device` in float32, for inference. Read on the CPU, then moved: DCP's single-process load reads into host
+    tensors."""
     if source.startswith("hf:"):
         args = model_args_from_hf(Path(source[3:]).expanduser())
     else:
         args = model_args_from_config(saved_config(resolve(source, "checkpoint").path).model)
-    model = build(args).to_empty(device=device)
+    model = build(args).to_empty(device="cpu")
     model.init_buffers()
     model.tie_weights()
     load_weights(model, source, args, threads=cores_per_rank(1))
-    return model.eval()
+    return model.to(device).eval()
 
 
 # ---------------------------------------------------------------------------------------------- tensors out
