@@ -11,7 +11,7 @@ import tempfile
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, NoReturn, Optional, Sequence, Union, get_args, get_origin, get_type_hints
 
 import tyro
 
@@ -20,6 +20,13 @@ from fsdp_trainer.models.llama import model_args_from_config
 
 class ConfigError(ValueError):
     """A setting that cannot work; the message names the field, the value and a fix."""
+
+
+def exit_with_error(message: str, show: bool) -> NoReturn:
+    """Exit with status 2 (bad input, not a crash), printing the message where `show`."""
+    if show:
+        print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 @dataclass

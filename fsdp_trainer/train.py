@@ -16,7 +16,7 @@ import os
 import random
 import sys
 from pathlib import Path
-from typing import Callable, NoReturn, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,8 +26,8 @@ from torch.utils.data import Dataset
 
 from fsdp_trainer import distributed
 from fsdp_trainer.checkpoint import CheckpointError, Checkpointer, StopSignals, model_class
-from fsdp_trainer.config import (Config, ConfigError, check_output_dirs, grads_in_compute_pool, mesh_shape, parse_args,
-                                 resolve_param_dtype, to_toml, validate)
+from fsdp_trainer.config import (Config, ConfigError, check_output_dirs, exit_with_error, grads_in_compute_pool,
+                                 mesh_shape, parse_args, resolve_param_dtype, to_toml, validate)
 from fsdp_trainer.data import (DataError, build_dataloader, build_dataset, check_enough_samples, samples_per_step,
                                stop_workers)
 from fsdp_trainer.distributed import logger
@@ -367,13 +367,6 @@ def main(argv=None, model_fn: Optional[ModelFn] = None) -> None:
         distributed.shutdown()
     finally:
         signals.restore()
-
-
-def exit_with_error(message: str, show: bool) -> NoReturn:
-    """Exit with status 2 (bad input, not a crash), printing the message where `show`."""
-    if show:
-        print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,14 @@ CPU offload). Rank 0 prints the results as a metrics.jsonl row on stdout, and th
 from __future__ import annotations
 
 import json
-import sys
 from typing import Optional, Sequence
 
 import torch
 
 from fsdp_trainer import distributed
 from fsdp_trainer.checkpoint import CheckpointError, find_latest
-from fsdp_trainer.config import Config, ConfigError, checkpoint_root, parse_args, resolve_param_dtype, validate
+from fsdp_trainer.config import (Config, ConfigError, checkpoint_root, exit_with_error, parse_args,
+                                 resolve_param_dtype, validate)
 from fsdp_trainer.data import build_dataset
 from fsdp_trainer.distributed import logger
 from fsdp_trainer.evaluate import evaluate
@@ -77,12 +77,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         logger.info(f"{row['weights']} | {held_out!r} | {eval_line(row)}")
         print(json.dumps(row))
     distributed.shutdown()
-
-
-def exit_with_error(err: Exception, show: bool) -> None:
-    if show:
-        print(f"error: {err}", file=sys.stderr)
-    sys.exit(2)
 
 
 if __name__ == "__main__":
