@@ -46,9 +46,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
-    # env:// as under torchrun, which has the ranks join its store (TORCHELASTIC_USE_AGENT_STORE) rather than rank 0
-    # start one on MASTER_PORT.
+def _worker(rank: int, world_size: int, port: int, environ: dict, cwd: str, fn, args, queue) -> None:
+    # The caller's environment and folder, as a spawned rank would have them, not the fork server's. env:// as under
+    # torchrun, which has the ranks join its store (TORCHELASTIC_USE_AGENT_STORE) rather than rank 0 start one.
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       TORCHELASTIC_USE_AGENT_STORE="True")
@@ -64,13 +67,17 @@ def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
-    """Run `fn(*args)` on `world_size` spawned processes forming one gloo group; return each rank's result."""
-    ctx = mp.get_context("spawn")
+    """Run `fn(*args)` on `world_size` processes forming one gloo group; return each rank's result."""
+    ctx = mp.get_context("forkserver")
+    # One server imports torch and the trainer once, then forks every rank of every test from that clean process:
+    # a spawned rank would spend seconds importing them again.
+    ctx.set_forkserver_preload(["helpers", "fsdp_trainer.train"])
     queue = ctx.Queue()
     # The group's store, served from here on port 0, so that no other process can take its port first, as it could
     # a free port looked up for rank 0 to bind.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, fn, args, queue))
+    procs = [ctx.Process(target=_worker,
+                         args=(r, world_size, store.port, dict(os.environ), os.getcwd(), fn, args, queue))
              for r in range(world_size)]
     for p in procs:
         p.start()
