@@ -1,4 +1,5 @@
-"""Runs the trainer with one injected fault, for tests/test_faults.py (launched under torchrun).
+"""The trainer with one injected fault, for the fault tests: inject() in a rank that helpers.train_ranks forked, or
+this script under torchrun:
 
     python -m torch.distributed.run ... tests/fault_worker.py <fault> <rank|all> <step> -- <train flags>
 
@@ -28,12 +29,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from fsdp_trainer import checkpoint, train
 
-fault, fault_rank = sys.argv[1], sys.argv[2]
-fault_step, _, kill_delay = sys.argv[3].partition("+")
-fault_step = int(fault_step)
-train_flags = sys.argv[sys.argv.index("--") + 1:]
+fault, fault_step, kill_delay, chosen = "", 0, "", False
 real_step, real_cross_entropy, real_build_model = train.train_step, F.cross_entropy, train.build_model
-chosen = fault_rank in ("all", os.environ["RANK"])
 calls = 0
 
 
@@ -110,16 +107,26 @@ def kill_before_marker(path, write):
     real_write_atomic(path, write)
 
 
-if fault == "kill_saving":
-    checkpoint.Checkpointer.save = save_then_kill
-if fault == "kill_commit":
-    checkpoint.write_atomic = kill_before_marker
-if fault == "slow_profile":
-    torch.profiler.profile.export_chrome_trace = slow_export
-if fault == "hang_restore":
-    FileSystem.create_stream = hung_streams("r")
-if fault == "hang_writes":
-    FileSystem.create_stream = hung_streams("w")
-    checkpoint.BACKSTOP_S = 0
-train.train_step, train.build_model = faulty_step, build_model_preempted
-train.main(train_flags)
+def inject(kind: str, rank: str, step: str) -> None:
+    """Inject fault `kind` on `rank` ("all" for every rank) at its `step` ("<step>+<seconds>" for kill_saving)."""
+    global fault, fault_step, kill_delay, chosen
+    fault, chosen = kind, rank in ("all", os.environ["RANK"])
+    step, _, kill_delay = step.partition("+")
+    fault_step = int(step)
+    if fault == "kill_saving":
+        checkpoint.Checkpointer.save = save_then_kill
+    if fault == "kill_commit":
+        checkpoint.write_atomic = kill_before_marker
+    if fault == "slow_profile":
+        torch.profiler.profile.export_chrome_trace = slow_export
+    if fault == "hang_restore":
+        FileSystem.create_stream = hung_streams("r")
+    if fault == "hang_writes":
+        FileSystem.create_stream = hung_streams("w")
+        checkpoint.BACKSTOP_S = 0
+    train.train_step, train.build_model = faulty_step, build_model_preempted
+
+
+if __name__ == "__main__":
+    inject(*sys.argv[1:4])
+    train.main(sys.argv[sys.argv.index("--") + 1:])

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -46,9 +49,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, environ: dict, cwd: str, fn, args, queue) -> None:
-    # The caller's environment and folder, as a spawned rank would have them, not the fork server's. env:// as under
-    # torchrun, which has the ranks join its store (TORCHELASTIC_USE_AGENT_STORE) rather than rank 0 start one.
+# One server imports torch and the trainer once, then forks every rank of every test from that clean process: a
+# spawned rank, or one that torchrun starts, spends seconds importing them again.
+FORK_SERVER = mp.get_context("forkserver")
+FORK_SERVER.set_forkserver_preload(["helpers", "fsdp_trainer.train"])
+
+
+def _join(rank: int, world_size: int, port: int, environ: dict, cwd: str) -> None:
+    """Become `rank` in the caller's environment and folder (not the fork server's). env:// as under torchrun, which
+    has the ranks join its store (TORCHELASTIC_USE_AGENT_STORE) rather than rank 0 start one."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
@@ -56,6 +65,24 @@ def _worker(rank: int, world_size: int, port: int, environ: dict, cwd: str, fn, 
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
+
+
+def _start(world_size: int, target: Callable, *args,
+           env: Optional[dict[str, str]] = None) -> tuple[dist.TCPStore, list]:
+    """`world_size` processes forked from the fork server, each running target(rank, world_size, port, environ, cwd,
+    *args) with this process's environment and `env`. The group's store is served from here on port 0, so that no
+    other process can take its port first, as it could a free port looked up for rank 0 to bind."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    environ = {**os.environ, **(env or {})}
+    procs = [FORK_SERVER.Process(target=target, args=(r, world_size, store.port, environ, os.getcwd(), *args))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    return store, procs
+
+
+def _worker(rank: int, world_size: int, port: int, environ: dict, cwd: str, fn, args, queue) -> None:
+    _join(rank, world_size, port, environ, cwd)
     try:
         # Plain pickle bytes: torch's queue would share tensors through file descriptors that die with us.
         queue.put((rank, pickle.dumps(fn(*args)), None))
@@ -68,19 +95,8 @@ def _worker(rank: int, world_size: int, port: int, environ: dict, cwd: str, fn, 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     """Run `fn(*args)` on `world_size` processes forming one gloo group; return each rank's result."""
-    ctx = mp.get_context("forkserver")
-    # One server imports torch and the trainer once, then forks every rank of every test from that clean process:
-    # a spawned rank would spend seconds importing them again.
-    ctx.set_forkserver_preload(["helpers", "fsdp_trainer.train"])
-    queue = ctx.Queue()
-    # The group's store, served from here on port 0, so that no other process can take its port first, as it could
-    # a free port looked up for rank 0 to bind.
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    procs = [ctx.Process(target=_worker,
-                         args=(r, world_size, store.port, dict(os.environ), os.getcwd(), fn, args, queue))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
+    queue = FORK_SERVER.Queue()
+    _store, procs = _start(world_size, _worker, fn, args, queue)
     results, errors = {}, []
     try:
         for _ in range(world_size):
@@ -96,6 +112,52 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
                 p.kill()
     assert not errors, "\n".join(errors)
     return [results[r] for r in range(world_size)]
+
+
+def _trainer(rank: int, world_size: int, port: int, environ: dict, cwd: str, argv: list[str], log: str,
+             fault: Optional[tuple[str, str, str]]) -> None:
+    _join(rank, world_size, port, environ, cwd)
+    output = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    if fault:
+        import fault_worker
+        fault_worker.inject(*fault)
+    from fsdp_trainer import train
+    train.main(argv)
+
+
+def _wait(procs: list, seconds: float, any_failed: bool = False) -> None:
+    """Until every process has ended (or, with any_failed, one has failed), at most `seconds`."""
+    deadline = time.monotonic() + seconds
+    while (running := [p.sentinel for p in procs if p.exitcode is None]) and time.monotonic() < deadline:
+        if any_failed and any(p.exitcode for p in procs):
+            return
+        wait(running, timeout=deadline - time.monotonic())
+
+
+def train_ranks(nproc: int, *argv: str, fault: Optional[tuple[str, str, str]] = None,
+                env: Optional[dict[str, str]] = None, timeout: float = 180,
+                grace: float = 5) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=nproc -m fsdp_trainer.train *argv` without the seconds each rank spends importing:
+    the ranks are forked from the fork server, `env` added to their environment, `fault` (fault_worker.inject's
+    arguments) injected. As under torchrun, the first rank to fail ends the others (SIGTERM, SIGKILL `grace` seconds
+    later); its exit status is the job's. The ranks' output, interleaved, is in stderr."""
+    command = ["train_ranks", str(nproc), *argv]
+    with tempfile.NamedTemporaryFile("r") as log:
+        _store, procs = _start(nproc, _trainer, list(argv), log.name, fault, env=env)
+        try:
+            _wait(procs, timeout, any_failed=True)
+            status = next((p.exitcode for p in procs if p.exitcode), 0)
+            if not status and any(p.exitcode is None for p in procs):
+                raise subprocess.TimeoutExpired(command, timeout, log.read())
+        finally:
+            for sig, seconds in ((signal.SIGTERM, grace), (signal.SIGKILL, timeout)):
+                for p in procs:
+                    if p.exitcode is None:
+                        os.kill(p.pid, sig)
+                _wait(procs, seconds)
+        return subprocess.CompletedProcess(command, status, "", log.read())
 
 
 def tiny_config(**sections) -> Config:
@@ -146,14 +208,19 @@ def checkout_env(**settings: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **settings}
 
 
-def launch_fault(fault: str, rank: str, step: int, *train_flags: str, nproc: int = 2, timeout: float = 180,
-                 env: Optional[dict[str, str]] = None) -> tuple[subprocess.CompletedProcess, float]:
-    """tests/fault_worker.py under torchrun: the trainer with every one of `train_flags`, and `fault` injected on
-    `rank` at its `step`-th step, `env` added to the environment. Returns the finished process and the seconds it
-    took."""
+def launch_fault(fault: str, rank: str, step: int | str, *train_flags: str, nproc: int = 2, timeout: float = 180,
+                 env: Optional[dict[str, str]] = None,
+                 torchrun: bool = False) -> tuple[subprocess.CompletedProcess, float]:
+    """The trainer with every one of `train_flags`, and `fault` injected on `rank` at its `step`-th step
+    (tests/fault_worker.py), `env` added to the environment: on ranks that train_ranks forks, or with `torchrun` as
+    tests/fault_worker.py under torchrun, for a test of what torchrun reports. Returns the finished job and the
+    seconds it took."""
+    start = time.monotonic()
+    if not torchrun:
+        proc = train_ranks(nproc, *train_flags, fault=(fault, rank, str(step)), env=env, timeout=timeout)
+        return proc, time.monotonic() - start
     worker = Path(__file__).with_name("fault_worker.py")
     cmd = [*TORCHRUN, f"--nproc_per_node={nproc}", str(worker), fault, rank, str(step), "--", *train_flags]
-    start = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=checkout_env(**(env or {})), capture_output=True, text=True,
                           timeout=timeout)
     return proc, time.monotonic() - start

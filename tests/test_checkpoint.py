@@ -36,29 +36,22 @@ from fsdp_trainer.optim import build_optimizer, build_scheduler
 from fsdp_trainer.tools import convert
 from fsdp_trainer.train import build_model, main, run
 
-from helpers import TINY_FLAGS, TORCHRUN, checkout_env, launch_fault, run_ranks, tiny_config
+from helpers import TINY_FLAGS, checkout_env, launch_fault, run_ranks, tiny_config, train_ranks
 from test_own_model import GPT2, GPT2Block
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("fault_worker.py")
 TINY = [*TINY_FLAGS, "--data.source", "synthetic"]
 # Within the default 20 warmup steps the learning rate rises every step and does not depend on train.steps, so a
 # scheduler resumed at the wrong step shows in the losses, and runs of different lengths stay comparable.
 STEPS = 10
 
 
-def torchrun_cmd(nproc: int, out: Path, *flags: str) -> list[str]:
-    return [*TORCHRUN, f"--nproc_per_node={nproc}", "-m", "fsdp_trainer.train", *TINY, "--train.output_dir", str(out),
-            *flags]
-
-
-def torchrun(nproc: int, out: Path, *flags: str, ok: bool = True) -> str:
-    """Run a training job to its end, expecting exit code 0 if ok else a failure; returns its stdout and stderr."""
-    proc = subprocess.run(torchrun_cmd(nproc, out, *flags), cwd=REPO, env=checkout_env(), capture_output=True,
-                          text=True, timeout=180)
-    output = proc.stdout + proc.stderr
-    assert (proc.returncode == 0) == ok, f"exit code {proc.returncode}:\n{output[-4000:]}"
-    return output
+def train_job(nproc: int, out: Path, *flags: str, ok: bool = True) -> str:
+    """Run a training job on `nproc` ranks to its end, expecting exit code 0 if ok else a failure; returns its
+    output."""
+    proc = train_ranks(nproc, *TINY, "--train.output_dir", str(out), *flags)
+    assert (proc.returncode == 0) == ok, f"exit code {proc.returncode}:\n{proc.stderr[-4000:]}"
+    return proc.stderr
 
 
 def killed(fault: str, rank: str, step: str, out: Path, *flags: str) -> str:
@@ -153,7 +146,7 @@ def full_state(model) -> dict[str, torch.Tensor]:
 def reference(tmp_path_factory) -> Path:
     """Uninterrupted: 2 ranks, STEPS steps, async checkpoints at steps 4 and 8 and at the end."""
     out = tmp_path_factory.mktemp("reference")
-    torchrun(2, out, "--train.steps", str(STEPS), "--checkpoint.interval", "4")
+    train_job(2, out, "--train.steps", str(STEPS), "--checkpoint.interval", "4")
     assert complete_steps(out / "checkpoints") == [4, 8, 10]
     return out
 
@@ -180,7 +173,7 @@ def test_kill_during_saves_then_resume_is_bit_identical(reference, tmp_path):
     assert complete_steps(root) == [6, 7, 8]
     (step9 / "__7_0.distcp").write_text("left over from a save on more ranks")
 
-    log = torchrun(2, out, *flags)
+    log = train_job(2, out, *flags)
     assert f"resuming from {ck.step_dir(root, 8)}" in log and f"skipping {step9}" in log
     assert f"clearing {step9}" in log and not (step9 / "__7_0.distcp").exists()
     assert_rows_equal(rows(out), rows(reference), range(1, STEPS + 1))
@@ -193,18 +186,16 @@ def test_stop_signal_to_one_rank_saves_and_exits_0(reference, tmp_path):
     """SIGTERM to rank 1 only, as its step 3 begins: both ranks stop at the same step, save it, exit 0; time-based
     saves (interval_minutes, decided by rank 0) happened meanwhile; the resumed run ends bit-identical."""
     out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    cmd = [*TORCHRUN, "--nproc_per_node=2", str(WORKER), "term", "1", "3", "--", *TINY, "--train.output_dir", str(out),
-           "--train.steps", "1000", "--checkpoint.interval", "0", "--checkpoint.interval_minutes", "1e-9"]
-    proc = subprocess.run(cmd, cwd=REPO, env=checkout_env(), capture_output=True, text=True,
-                          timeout=180)
-    output = proc.stdout + proc.stderr
+    proc, _ = launch_fault("term", "1", 3, *TINY, "--train.output_dir", str(out), "--train.steps", "1000",
+                           "--checkpoint.interval", "0", "--checkpoint.interval_minutes", "1e-9")
+    output = proc.stderr
     assert proc.returncode == 0, output[-4000:]
     # The stop vote cast after step 3 is read after step 4, and acted on there by both ranks.
     assert max(rows(out)) == 4
     assert "stopped at step 4 on a stop signal" in output and "SIGTERM: finishing the step" in output
     assert complete_steps(root) == [2, 3, 4]  # saved by time from step 2 on; checkpoint.keep=3
 
-    torchrun(2, out, "--train.steps", str(STEPS), "--checkpoint.interval", "0")
+    train_job(2, out, "--train.steps", str(STEPS), "--checkpoint.interval", "0")
     assert_rows_equal(rows(out), rows(reference), range(1, STEPS + 1))
 
 
@@ -213,7 +204,7 @@ def test_resume_on_other_world_sizes_and_meshes(reference, tmp_path):
     """2 ranks -> 4 ranks HSDP (2x2) -> 2 ranks with gradient accumulation, the global batch kept at 4: the
     losses follow the uninterrupted run up to reduction order and every step reads the same samples."""
     hsdp = tmp_path / "hsdp"
-    log = torchrun(4, hsdp, "--train.steps", str(STEPS), "--train.micro_batch_size", "1", "--parallel.dp_replicate",
+    log = train_job(4, hsdp, "--train.steps", str(STEPS), "--train.micro_batch_size", "1", "--parallel.dp_replicate",
                    "2", "--checkpoint.interval", "3",
                    "--checkpoint.resume", str(reference / "checkpoints/step_00000004"))
     assert "saved on 2 ranks, resuming on 4" in log
@@ -221,7 +212,7 @@ def test_resume_on_other_world_sizes_and_meshes(reference, tmp_path):
     assert ck.read_marker(hsdp / "checkpoints/step_00000006")[0]["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
 
     back = tmp_path / "back"
-    log = torchrun(2, back, "--train.steps", str(STEPS), "--train.micro_batch_size", "1",
+    log = train_job(2, back, "--train.steps", str(STEPS), "--train.micro_batch_size", "1",
                    "--train.grad_accum_steps", "2", "--checkpoint.resume", str(hsdp / "checkpoints/step_00000006"))
     assert "saved on 4 ranks, resuming on 2" in log
     assert_rows_equal(rows(back), rows(reference), range(7, STEPS + 1), rel=1e-5)
@@ -231,9 +222,9 @@ def test_resume_on_other_world_sizes_and_meshes(reference, tmp_path):
 def test_saved_on_8_ranks_resumes_on_4(tmp_path):
     """The 8-GPU node's checkpoint continued on half the GPUs: 8 x 1 sample per step, then 4 x 2."""
     eight = tmp_path / "eight"
-    torchrun(8, eight, "--train.steps", "4", "--train.micro_batch_size", "1", "--checkpoint.interval", "2")
+    train_job(8, eight, "--train.steps", "4", "--train.micro_batch_size", "1", "--checkpoint.interval", "2")
     four = tmp_path / "four"
-    log = torchrun(4, four, "--train.steps", "4", "--checkpoint.resume", str(eight / "checkpoints/step_00000002"))
+    log = train_job(4, four, "--train.steps", "4", "--checkpoint.resume", str(eight / "checkpoints/step_00000002"))
     assert "saved on 8 ranks, resuming on 4" in log
     assert_rows_equal(rows(four), rows(eight), range(3, 5), rel=1e-5)
 
@@ -1011,11 +1002,11 @@ def test_a_flipped_bit_in_a_shard_stops_resume_on_every_rank(reference, tmp_path
     damaged = sorted(name for name in sums if name.startswith("__1_"))[-1]  # rank 1 wrote it, and checks it
     flip_a_bit(step10 / damaged)
     before = tree(root)
-    output = torchrun(2, tmp_path, "--train.steps", "12", ok=False)
+    output = train_job(2, tmp_path, "--train.steps", "12", ok=False)
     message = f"checkpoint {step10} is corrupt: {damaged} differs from what the save wrote"
     assert output.count(message) == 1, output[-3000:]  # rank 0's: it knows of rank 1's share only by the check
     assert "resuming from" not in output and tree(root) == before
-    output = torchrun(2, tmp_path, "--train.steps", "12", "--checkpoint.no_checksums")
+    output = train_job(2, tmp_path, "--train.steps", "12", "--checkpoint.no_checksums")
     assert f"resuming from {step10}" in output and "is corrupt" not in output
 
 

@@ -33,10 +33,10 @@ ENDS_WITHIN = 100
 
 
 def launch(fault: str, rank: str, step: int, tmp_path: Path, *flags: str, nproc: int = 2, timeout: float = 180,
-           env: Optional[dict[str, str]] = None):
+           env: Optional[dict[str, str]] = None, torchrun: bool = False):
     """The tiny model with `flags`, writing to tmp_path, and `fault` injected (helpers.launch_fault)."""
     return launch_fault(fault, rank, step, *TINY, "--train.output_dir", str(tmp_path), *flags, nproc=nproc,
-                        timeout=timeout, env=env)
+                        timeout=timeout, env=env, torchrun=torchrun)
 
 
 def suspect(rank: int, why: str) -> str:
@@ -60,7 +60,7 @@ def test_a_frozen_or_killed_rank_ends_the_job_on_time_and_the_last_lines_name_it
     report and torchrun's summary at the end name that rank, with its host and pid."""
     mark = {"FSDP_TRAINER_TEST_JOB": str(tmp_path)}
     proc, _ = launch(fault, str(rank), 4, tmp_path, "--train.steps", "1000", "--dist.timeout_s", str(TIMEOUT_S),
-                     "--checkpoint.interval", "0", "--checkpoint.no_save_final", env={**env, **mark})
+                     "--checkpoint.interval", "0", "--checkpoint.no_save_final", env={**env, **mark}, torchrun=True)
     ended = time.time()
     signalled = re.search(r"SIG(STOP|KILL) at ([0-9.]+) to pid ([0-9]+)", proc.stderr)
     assert signalled and proc.returncode != 0, proc.stderr[-3000:]
@@ -296,7 +296,7 @@ def test_a_rank_hung_in_the_restore_is_named_before_the_group_timeout_ends_the_o
     proc, _ = launch("hang_restore", "1", 0, tmp_path, "--train.steps", "1")  # nothing to restore: it saves step 1
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc, elapsed = launch("hang_restore", "1", 0, tmp_path, "--train.steps", "2", "--dist.init_timeout_s", "6",
-                           "--dist.timeout_s", "4")
+                           "--dist.timeout_s", "4", torchrun=True)
     assert f"exitcode  : {EXIT_HANG}" in proc.stderr, proc.stderr[-3000:]  # torchrun's summary of the failed ranks
     assert re.search(suspect(1, "still restoring a checkpoint, at create_stream (fault_worker.py:"), proc.stderr), \
         proc.stderr[-3000:]
@@ -361,7 +361,7 @@ def test_a_run_with_nothing_left_to_train_stops_its_watchdog(tmp_path, capfd):
 @pytest.mark.slow
 def test_a_crashed_rank_ends_the_job_naming_it_with_its_traceback(tmp_path):
     proc, elapsed = launch("crash", "1", 3, tmp_path, "--train.steps", "6", "--checkpoint.interval", "0",
-                           "--checkpoint.no_save_final")
+                           "--checkpoint.no_save_final", torchrun=True)
     assert proc.returncode != 0
     assert "injected crash" in proc.stderr
     assert "rank      : 1" in proc.stderr  # torchrun's root-cause summary, from the error file
@@ -372,7 +372,7 @@ def test_a_crashed_rank_ends_the_job_naming_it_with_its_traceback(tmp_path):
 def test_a_crash_on_every_rank_ends_the_job_with_loader_workers_running(tmp_path):
     # The workers ignore SIGTERM so that a preempted rank can checkpoint; they must not keep a failed rank alive.
     proc, elapsed = launch("crash", "all", 3, tmp_path, "--train.steps", "6", "--checkpoint.interval", "0",
-                           "--checkpoint.no_save_final", "--data.num_workers", "2", timeout=120)
+                           "--checkpoint.no_save_final", "--data.num_workers", "2", timeout=120, torchrun=True)
     assert proc.returncode != 0
     assert "injected crash" in proc.stderr
     assert elapsed < ENDS_WITHIN, elapsed

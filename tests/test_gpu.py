@@ -275,7 +275,7 @@ def _faulty_job(tmp_path, fault: str, timeout_s: int, *model_flags: str):
     from helpers import TINY_FLAGS, launch_fault
     return launch_fault(fault, "1", 4, *(model_flags or TINY_FLAGS), "--data.source", "synthetic", "--train.steps",
                         "8", "--train.output_dir", str(tmp_path), "--dist.timeout_s", str(timeout_s),
-                        "--checkpoint.interval", "0", "--checkpoint.no_save_final", timeout=300)
+                        "--checkpoint.interval", "0", "--checkpoint.no_save_final", timeout=300, torchrun=True)
 
 
 @pytest.mark.slow
