@@ -291,20 +291,18 @@ BAD_FLAGS = {"choice": (["--ac.mode", "bogus"], "invalid choice 'bogus' for argu
              "unknown": (["--train.stepz", "3"], "Unrecognized options: --train.stepz, 3")}
 
 
-def bad_flag_run(flags: list[str]) -> subprocess.CompletedProcess:
-    """test_error_line_reads_tyros_message_about_a_bad_flag's run."""
-    return subprocess.run([sys.executable, "-m", "fsdp_trainer.train", *flags], capture_output=True, text=True,
-                          env={**os.environ, "COLUMNS": "60"})  # narrow: the message wraps
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("case", BAD_FLAGS)
-def test_error_line_reads_tyros_message_about_a_bad_flag(script_run, case):
+def test_error_line_reads_tyros_message_about_a_bad_flag(monkeypatch, capfd, case):
     """tyro draws its message in a box, wrapped over several lines, with no line that says "error:"."""
     from runs import error_line
 
-    proc = script_run.result()
-    assert proc.returncode == 2 and error_line(proc) == BAD_FLAGS[case][1]
+    from fsdp_trainer import train
+
+    monkeypatch.setenv("COLUMNS", "60")  # narrow: the message wraps
+    with pytest.raises(SystemExit) as exited:
+        train.main(BAD_FLAGS[case][0])
+    out, err = capfd.readouterr()
+    assert exited.value.code == 2 and error_line(subprocess.CompletedProcess([], 2, out, err)) == BAD_FLAGS[case][1]
 
 
 def test_steady_state_counts_windows_from_warmup_on_over_all_their_steps():
@@ -917,8 +915,6 @@ def script_runs(request, tmp_path_factory):
                               (test_fsdp_vs_ddp_worker_leaves_no_loader_worker_running, loader_workers_run),
                               (test_gpu_check_s_own_files_start_with_what_the_json_files_record, own_files_run),
                               (test_gpu_check_s_clocks_log_says_why_a_run_failed, clocks_run)]}
-    for case, (flags, _) in BAD_FLAGS.items():
-        runs[node_name(test_error_line_reads_tyros_message_about_a_bad_flag, case)] = partial(bad_flag_run, flags)
     return side_by_side(request, runs, at_once=2)
 
 
