@@ -114,12 +114,16 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     return [results[r] for r in range(world_size)]
 
 
+def _output_to(out: str, err: str) -> None:
+    """This process's stdout and stderr, from Python and from C, appended to the files `out` and `err`."""
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
+
+
 def _trainer(rank: int, world_size: int, port: int, environ: dict, cwd: str, argv: list[str], log: str,
              fault: Optional[tuple[str, str, str]]) -> None:
     _join(rank, world_size, port, environ, cwd)
-    output = os.open(log, os.O_WRONLY | os.O_APPEND)
-    os.dup2(output, 1)
-    os.dup2(output, 2)
+    _output_to(log, log)
     if fault:
         import fault_worker
         fault_worker.inject(*fault)
@@ -158,6 +162,32 @@ def train_ranks(nproc: int, *argv: str, fault: Optional[tuple[str, str, str]] = 
                         os.kill(p.pid, sig)
                 _wait(procs, seconds)
         return subprocess.CompletedProcess(command, status, "", log.read())
+
+
+def _call(environ: dict, cwd: str, out: str, err: str, fn: Callable, args: tuple) -> None:
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    _output_to(out, err)
+    fn(*args)
+
+
+def run_forked(fn: Callable, *args, env: Optional[dict[str, str]] = None,
+               timeout: float = 120) -> subprocess.CompletedProcess:
+    """fn(*args) in a process of its own, as `python -c` runs it, without the seconds it spends importing: forked
+    from the fork server, with this process's environment and `env`. Its exit status (SystemExit's code, 1 for an
+    exception), stdout and stderr."""
+    command = ["run_forked", repr(fn), *map(repr, args)]
+    with tempfile.NamedTemporaryFile("r") as out, tempfile.NamedTemporaryFile("r") as err:
+        proc = FORK_SERVER.Process(target=_call, args=({**os.environ, **(env or {})}, os.getcwd(), out.name, err.name,
+                                                        fn, args))
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(command, timeout, out.read(), err.read())
+        return subprocess.CompletedProcess(command, proc.exitcode, out.read(), err.read())
 
 
 def tiny_config(**sections) -> Config:

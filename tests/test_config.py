@@ -5,15 +5,16 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from fsdp_trainer.config import (PATH_FIELDS, Config, ConfigError, check_output_dirs, grads_in_compute_pool, load_toml,
                                  mesh_shape, parse_args, to_toml, validate)
+from fsdp_trainer import train
 from fsdp_trainer.models.llama import model_args_from_config
+
+from helpers import run_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -250,8 +251,7 @@ def test_help_documents_every_flag(capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_bad_config_exits_before_training_with_the_message(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--train.seq_len", "5000",
-                          "--train.output_dir", str(tmp_path / "never")], capture_output=True, text=True, timeout=120)
+    out = run_forked(train.main, ["--train.seq_len", "5000", "--train.output_dir", str(tmp_path / "never")])
     assert out.returncode == 2
     assert "train.seq_len=5000 exceeds model.max_seq_len=1024" in out.stderr
     assert not (tmp_path / "never").exists()
@@ -320,9 +320,8 @@ def test_folders_that_cannot_be_written_are_refused_before_training(tmp_path, fl
 @pytest.mark.slow
 def test_unwritable_checkpoint_folder_exits_at_start_up(tmp_path):
     (tmp_path / "a_file").write_text("")
-    out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--checkpoint.dir", str(tmp_path / "a_file"),
-                          "--train.steps", "1", "--train.output_dir", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=120)
+    out = run_forked(train.main, ["--checkpoint.dir", str(tmp_path / "a_file"), "--train.steps", "1",
+                                  "--train.output_dir", str(tmp_path / "out")])
     assert out.returncode == 2
     assert f"checkpoint.dir: cannot create or write the folder {tmp_path / 'a_file'}" in out.stderr
     assert "Traceback" not in out.stderr and "step" not in out.stderr

@@ -16,10 +16,13 @@ import numpy as np
 import pytest
 import torch
 
+from fsdp_trainer import train
 from fsdp_trainer.config import ConfigError, DataConfig
 from fsdp_trainer.data import (BYTE_EOS, DataError, SampleOrder, StepSampler, SyntheticTokens, build_dataloader,
                                build_dataset, check_enough_samples, load_shards, samples_per_step, stdlib_shards,
                                stop_workers, write_atomic, write_shard)
+
+from helpers import run_forked
 
 SEQ_LEN = 8
 NUM_SAMPLES = 40
@@ -275,10 +278,9 @@ def test_a_global_batch_larger_than_the_data_is_refused(shards):
 
 @pytest.mark.slow
 def test_the_trainer_refuses_a_global_batch_larger_than_the_data_before_it_starts(shards, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--data.source", "tokens", "--data.path",
-                          str(shards), "--model.vocab_size", str(VOCAB), "--train.seq_len", str(SEQ_LEN),
-                          "--train.micro_batch_size", "41", "--train.output_dir", str(tmp_path / "run")],
-                         capture_output=True, text=True, timeout=120)
+    out = run_forked(train.main, ["--data.source", "tokens", "--data.path", str(shards), "--model.vocab_size",
+                                  str(VOCAB), "--train.seq_len", str(SEQ_LEN), "--train.micro_batch_size", "41",
+                                  "--train.output_dir", str(tmp_path / "run")])
     assert out.returncode == 2 and "fewer than the global batch of 41" in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr
 
@@ -563,11 +565,11 @@ def test_a_loader_left_running_does_not_hang_the_exit(shards):
 @pytest.mark.slow
 def test_bad_token_ids_end_the_run_with_the_message(tmp_path):
     write_bad_token_shards(tmp_path / "bad")
-    out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--data.source", "tokens", "--data.path",
-                          str(tmp_path / "bad"), "--model.vocab_size", "257", "--train.seq_len", str(SEQ_LEN),
-                          "--train.micro_batch_size", "1", "--train.steps", "1", "--checkpoint.interval", "0",
-                          "--checkpoint.no_save_final", "--eval.every", "0", "--train.output_dir",
-                          str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    out = run_forked(train.main, ["--data.source", "tokens", "--data.path", str(tmp_path / "bad"),
+                                  "--model.vocab_size", "257", "--train.seq_len", str(SEQ_LEN),
+                                  "--train.micro_batch_size", "1", "--train.steps", "1", "--checkpoint.interval", "0",
+                                  "--checkpoint.no_save_final", "--eval.every", "0", "--train.output_dir",
+                                  str(tmp_path / "out")])
     assert out.returncode == 2
     assert "error: [rank 0] data.path=" in out.stderr and "is id 60000" in out.stderr
     assert "Traceback" not in out.stderr

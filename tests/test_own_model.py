@@ -7,9 +7,7 @@ import copy
 import math
 import random
 import re
-import subprocess
-import sys
-from pathlib import Path
+from functools import partial
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ from fsdp_trainer.optim import build_optimizer, build_scheduler, lr_at
 from fsdp_trainer.tools.model_checks import (check_initializable, check_logits_once, check_own_model,
                                              check_token_embedding_once, check_units)
 
-from helpers import TINY_FLAGS, run_ranks, tiny_config
+from helpers import TINY_FLAGS, run_forked, run_ranks, tiny_config
 from test_parallelize import ARGS, AttentionBlock, Gate, TiedLM
 
 
@@ -311,14 +309,8 @@ def returns_tuple_fn(cfg):
 def test_main_names_what_is_wrong_with_a_teams_model_in_one_line(tmp_path, model_fn, message):
     """The trainer's command line, a single process: a model that does not fit the settings, or cannot be sharded
     as model_fn lists its units, is bad input (exit 2, one error line), not a crash with a traceback per rank."""
-    script = ("import sys\n"
-              f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-              "from fsdp_trainer import train\n"
-              f"from test_own_model import {model_fn}\n"
-              f"train.main(sys.argv[1:], model_fn={model_fn})\n")
-    out = subprocess.run([sys.executable, "-c", script, *TINY_FLAGS, "--data.source", "synthetic",
-                          "--dist.no_flight_recorder", "--train.output_dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    out = run_forked(partial(train.main, model_fn=globals()[model_fn]), [
+        *TINY_FLAGS, "--data.source", "synthetic", "--dist.no_flight_recorder", "--train.output_dir", str(tmp_path)])
     assert out.returncode == 2, out.stderr[-3000:]
     assert f"error: {message}" in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
 

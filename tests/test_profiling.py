@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from contextlib import contextmanager
 
 import pytest
 
+from fsdp_trainer import train
 from fsdp_trainer.config import parse_steps
 from fsdp_trainer.tools.profiling import OPTIMIZER_RANGE, breakdown, category
 
-from helpers import TINY_FLAGS
+from helpers import TINY_FLAGS, run_forked
 
 
 def kernel(name, start, dur):
@@ -60,10 +59,9 @@ def test_kernel_categories_and_step_ranges():
 @pytest.mark.slow
 def test_profiled_run_writes_a_chrome_trace_of_exactly_its_steps(tmp_path):
     """Steps 2 to 4 of 5: three optimizer ranges in the trace, one a step (a window off by one step has two or four)."""
-    out = subprocess.run([sys.executable, "-m", "fsdp_trainer.train", "--config", "configs/debug.toml", *TINY_FLAGS,
-                          "--train.steps", "5", "--profile.steps", "2:4", "--train.output_dir", str(tmp_path),
-                          "--checkpoint.no_save_final"],
-                         capture_output=True, text=True, timeout=300)
+    out = run_forked(train.main, ["--config", "configs/debug.toml", *TINY_FLAGS, "--train.steps", "5",
+                                  "--profile.steps", "2:4", "--train.output_dir", str(tmp_path),
+                                  "--checkpoint.no_save_final"], timeout=300)
     assert out.returncode == 0, out.stderr
     trace = tmp_path / "profile" / "trace_rank0_steps2-4.json"
     events = json.loads(trace.read_text())["traceEvents"]
