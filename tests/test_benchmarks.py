@@ -411,7 +411,7 @@ def test_windows_holding_profiled_steps_are_left_out_and_the_profile_is_recorded
         throughput.steady_state([{"step": s, "tokens_per_s_per_gpu": 1.0} for s in (2, 4, 6, 8, 10)], 2, (3, 10))
 
 
-def run_script(script: str, *args: str, results_dir: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_script(script: str, *args: str, results_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """A benchmark script run as a user runs it, from the repository root, writing its results under results_dir."""
     return subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, text=True, capture_output=True,
                           timeout=timeout, env={**os.environ, "BENCH_RESULTS_DIR": str(results_dir)})

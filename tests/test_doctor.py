@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv_ring"]
 
 
-def run_doctor(*args: str, nproc: int = 0, fault: str = "", timeout: float = 60, path: str = "",
+def run_doctor(*args: str, nproc: int = 0, fault: str = "", timeout: float = 120, path: str = "",
                pythonpath: str = ""):
     """(completed process, seconds) of `python -m fsdp_trainer.tools.doctor`, under torchrun when nproc > 0, with `path`
     searched first for programs and `pythonpath` for modules."""
