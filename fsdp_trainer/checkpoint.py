@@ -249,8 +249,7 @@ class Checkpointer:
         self.before_save: Callable[[], int] = lambda: 0  # training() sets both
         self._paused: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         # One stager for the run, so that its host copy of the state is allocated once and reused by every save.
-        pin = info.device.type == "cuda"
-        self._stager = DefaultStager(StagingOptions(pin, False, False, pin)) if self.mode == "async_pinned" else None
+        self._stager = self._new_stager() if self.mode == "async_pinned" else None
         self.stopped, self._staged, self._pending, self._saved_step = False, False, None, -1
         self._last_save = time.monotonic()
         self._deletions: list[tuple[threading.Thread, set[Path]]] = []  # retention's, with their folders
@@ -444,9 +443,15 @@ class Checkpointer:
         rng = {rng_key or f"rank{self.info.rank}": rng_state(self.info.device)}
         return {"model": model_sd, "optim": optim_sd, "rng": rng}
 
+    def _new_stager(self) -> DefaultStager:
+        pin = self.info.device.type == "cuda"
+        return DefaultStager(StagingOptions(pin, False, False, pin))
+
     def _write(self, writer: dcp.FileSystemWriter) -> Future:
         """Hand this rank's shards to DCP; the future completes once every rank's are on storage."""
         state, done = self._state(), Future()
+        if self._stager is not None and not self._stager._state_dict_stager._deepcopy_dispatch:
+            self._stager = self._new_stager()  # torch 2.11 closes it after each copy, for good (pytorch#183413)
         if self.mode != "none":
             return dcp.async_save(state, storage_writer=writer, process_group=self.group, async_stager=self._stager)
         try:

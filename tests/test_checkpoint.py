@@ -440,6 +440,22 @@ def test_async_pinned_copies_every_save_into_the_same_host_memory(tmp_path, monk
     assert len(staged) == 4 and len(set(staged)) == 1, staged  # allocated after step 1, then a save per step
 
 
+def test_a_stager_that_torch_closes_after_each_copy_is_replaced(tmp_path, monkeypatch):
+    """torch 2.11's DefaultStager closes its copier after every stage, and a closed one fails the next with KeyError
+    <class 'type'> (pytorch#183413): with that behaviour, every save of an async_pinned run still completes."""
+    stage = ck.DefaultStager.stage
+
+    def stage_then_close(stager, state):
+        copy = stage(stager, state)
+        stager._state_dict_stager.close()
+        return copy
+
+    monkeypatch.setattr(ck.DefaultStager, "stage", stage_then_close)
+    train_in_process("--train.steps", "3", "--checkpoint.interval", "1", "--checkpoint.async_mode", "async_pinned",
+                     "--train.output_dir", str(tmp_path))
+    assert complete_steps(tmp_path / "checkpoints") == [1, 2, 3]
+
+
 def test_rng_state_round_trips_python_s_cached_gaussian():
     random.seed(0)
     random.random(), random.gauss(0, 1)  # gauss caches a second value: the state's optional part is set now
