@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint.filesystem as fs
 
 from fsdp_trainer import checkpoint as ck
 from fsdp_trainer.tools import weights
@@ -62,6 +63,17 @@ def test_imported_logits_equal_transformers(style, seq):
     with torch.no_grad():
         want, got = theirs(tokens).logits, ours(tokens)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("style", ["3.2"], indirect=True)
+def test_a_writer_that_loads_ahead_converts_the_same_tensors(style, tmp_path, monkeypatch):
+    """On a CUDA host DCP's writer loads tensors ahead of the one it writes: each is still written whole."""
+    _, folder, checkpoints = style
+    serial = fs._SerialCpuLoader.values
+    monkeypatch.setattr(fs._SerialCpuLoader, "values", lambda loader: iter(list(serial(loader))))
+    convert.main(["from-hf", str(folder), str(tmp_path / "checkpoints")])
+    want, got = (weights.load_model(str(path)).state_dict() for path in (checkpoints, tmp_path / "checkpoints"))
+    assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_round_trip_gives_back_config_and_tensors(style, tmp_path):

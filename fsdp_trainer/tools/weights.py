@@ -1,4 +1,4 @@
-"""Model weights in and out of the trainer, one tensor in memory at a time: a Hugging Face Llama folder
+"""Model weights in and out of the trainer, read one tensor at a time: a Hugging Face Llama folder
 (config.json + safetensors) to a checkpoint and back, and a model filled from either, for checkpoint.init_from,
 `fsdp_trainer.tools.convert` and `fsdp_trainer.tools.generate`. Training state (optimizer, data position, RNG) does
 not travel this way: resuming is checkpoint.py's.
@@ -572,19 +572,15 @@ def _check_no_weights_in(out: Path) -> None:
 
 
 class _StreamingPlanner(DefaultSavePlanner):
-    """DCP's save planner over a state dict of meta tensors: each tensor's data is read when DCP writes it, and the
-    one before released, as DCP's writer keeps every tensor of a file referenced until the whole file is written
-    (read into memory of its own: a tensor mapping a safetensors file cannot be released)."""
+    """DCP's save planner over a state dict of meta tensors: each tensor's data is read when DCP asks for it. None is
+    released early: on a CUDA host DCP's writer loads tensors ahead of the one it writes."""
 
     def __init__(self, read: Callable[[str], torch.Tensor]):
         super().__init__()
-        self.read, self.last = read, None
+        self.read = read
 
     def resolve_data(self, write_item):
-        if self.last is not None:
-            self.last.untyped_storage().resize_(0)
-        self.last = self.read(write_item.index.fqn.removeprefix("model.")).clone()
-        return self.last
+        return self.read(write_item.index.fqn.removeprefix("model."))
 
 
 def import_hf(folder: str | Path, root: str | Path, log: Callable[[str], None] = print) -> Path:
