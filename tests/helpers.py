@@ -55,12 +55,17 @@ FORK_SERVER = mp.get_context("forkserver")
 FORK_SERVER.set_forkserver_preload(["helpers", "fsdp_trainer.train"])
 
 
-def _join(rank: int, world_size: int, port: int, environ: dict, cwd: str) -> None:
-    """Become `rank` in the caller's environment and folder (not the fork server's). env:// as under torchrun, which
-    has the ranks join its store (TORCHELASTIC_USE_AGENT_STORE) rather than rank 0 start one."""
+def _enter(environ: dict, cwd: str) -> None:
+    """Take the caller's environment and folder, not the fork server's."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
+
+
+def _join(rank: int, world_size: int, port: int, environ: dict, cwd: str) -> None:
+    """Become `rank` in the caller's environment and folder. env:// as under torchrun, which has the ranks join its
+    store (TORCHELASTIC_USE_AGENT_STORE) rather than rank 0 start one."""
+    _enter(environ, cwd)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       TORCHELASTIC_USE_AGENT_STORE="True")
@@ -165,9 +170,7 @@ def train_ranks(nproc: int, *argv: str, fault: Optional[tuple[str, str, str]] = 
 
 
 def _call(environ: dict, cwd: str, out: str, err: str, fn: Callable, args: tuple) -> None:
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(environ)
+    _enter(environ, cwd)
     _output_to(out, err)
     fn(*args)
 
